@@ -1,0 +1,127 @@
+r"""Dynamic range expansion (COAT, arXiv 2410.19313, section 4).
+
+A group of Adam moments spans a small dynamic range (max/min ~1e3 for m, ~10 for v) while an
+FP8 format spans ~1e5 (E4M3). Before quantizing, COAT maps each group through
+
+.. math::
+
+  f(x) = \mathrm{sign}(x) \left|\frac{x}{c}\right|^k, \qquad
+  c = \sqrt{m_x} \sqrt{m_n}, \qquad
+  k = \frac{\log R}{\log(m_x / m_n)},
+
+with :math:`m_x = \max |x|`, :math:`m_n = \min_{x \ne 0} |x|` over the group and a target range
+:math:`R` (``448**2 / 2`` for E4M3), then scales by :math:`s = (m_x / c)^k / q_{max}` and casts.
+The expanded group spans :math:`(m_x/m_n)^k = R` instead of :math:`m_x/m_n`.
+
+**The centre cancels.** Quantized value and its inverse reduce to
+
+.. math::
+
+  q = \frac{f(x)}{s} = \mathrm{sign}(x)\, q_{max} \left(\frac{|x|}{m_x}\right)^k, \qquad
+  x = \mathrm{sign}(q)\, m_x \left(\frac{|q|}{q_{max}}\right)^{1/k},
+
+so a group is fully described by :math:`(m_x, k)`. coat-jax stores exactly that: ``amax`` in
+fp32 and ``k`` as a uint8 code (``k = code / 16``), 5 bytes a group instead of the reference's 12
+(scale, k, c in fp32). The ratios stay in ``[0, 1]``, so nothing overflows for any finite input,
+and a group whose nonzero values are all equal (one value, ``m_x == m_n``) round-trips exactly.
+:func:`expand` / :func:`contract` keep the reference's form with :math:`c` for tests and reading.
+
+**The exponent.** ``k`` is rounded *down* to a multiple of 1/16 (as the reference does, so the
+expanded range never exceeds :math:`R`) and clamped to ``[K_MIN, K_MAX] = [1/16, 255/16]``:
+
+* ``m_x / m_n`` tiny (equal values, one nonzero value, or an all-zero group): ``k = K_MAX``.
+  Relative precision in x is the format's divided by ``k``, so a large ``k`` only helps.
+* ``m_x / m_n > R**16`` (more than ~80 decades for E4M3, impossible with fp32 ``m`` or ``v``
+  except through denormals): ``k = K_MIN``. Values compress, stay finite and keep their sign.
+* ``k < 1`` compresses a group wider than the format (e.g. 1e-30 .. 1e30) so that its small
+  values are not flushed to zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax.formats import Fp8Format
+
+__all__ = [
+    "K_MAX",
+    "K_MIN",
+    "K_STEP",
+    "contract",
+    "decode_k",
+    "encode_k",
+    "expand",
+    "expanded_decode",
+    "expanded_encode",
+    "expansion_centre",
+    "expansion_exponent",
+    "group_range",
+]
+
+K_STEP = 1.0 / 16.0
+K_MIN = 1 * K_STEP
+K_MAX = 255 * K_STEP
+
+
+def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(max |x|, min of the nonzero |x|)`` along ``axis``, in fp32.
+
+    The minimum is 0 where the group has no nonzero element. NaN propagates into the maximum.
+    """
+    a = jnp.abs(x.astype(jnp.float32))
+    amax = jnp.max(a, axis=axis)
+    amin = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=axis)
+    amin = jnp.where(jnp.isinf(amin) & ~jnp.isinf(amax), 0.0, amin)
+    return amax, amin
+
+
+def expansion_exponent(amax: jax.Array, amin: jax.Array, fmt: Fp8Format) -> jax.Array:
+    """``k = floor16(log R / log(amax / amin))`` clamped to ``[K_MIN, K_MAX]`` (fp32)."""
+    log_ratio = jnp.log(amax) - jnp.log(amin)  # no overflow from amax / amin
+    degenerate = (amin <= 0) | ~(log_ratio > 0)  # all-zero, single value, equal values
+    safe_log_ratio = jnp.where(degenerate, 1.0, log_ratio)
+    k = jnp.floor(jnp.log(fmt.expansion_target_range) / safe_log_ratio / K_STEP) * K_STEP
+    k = jnp.where(degenerate, K_MAX, k)
+    return jnp.clip(k, K_MIN, K_MAX).astype(jnp.float32)
+
+
+def encode_k(k: jax.Array) -> jax.Array:
+    """Stores ``k`` (a multiple of 1/16 in ``[K_MIN, K_MAX]``) as a uint8 code ``16 k``."""
+    return jnp.round(k / K_STEP).astype(jnp.uint8)
+
+
+def decode_k(code: jax.Array) -> jax.Array:
+    """Inverse of :func:`encode_k`."""
+    return code.astype(jnp.float32) * K_STEP
+
+
+def expanded_encode(x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
+    """``sign(x) * fmt.max * (|x| / amax)^k``: expansion and absmax scaling in one (fp32).
+
+    ``amax`` and ``k`` broadcast against ``x``; groups with ``amax == 0`` map to 0.
+    """
+    x = x.astype(jnp.float32)
+    ratio = jnp.abs(x) / jnp.where(amax > 0, amax, 1.0)
+    return jnp.sign(x) * (fmt.max * jnp.power(ratio, k))
+
+
+def expanded_decode(q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
+    """Inverse of :func:`expanded_encode`: ``sign(q) * amax * (|q| / fmt.max)^(1/k)`` (fp32)."""
+    q = q.astype(jnp.float32)
+    return jnp.sign(q) * (amax * jnp.power(jnp.abs(q) / fmt.max, 1.0 / k))
+
+
+def expansion_centre(amax: jax.Array, amin: jax.Array) -> jax.Array:
+    """The reference's centre ``c = sqrt(amax) * sqrt(amin)`` (``amax`` when ``amin`` is 0)."""
+    return jnp.where(amin > 0, jnp.sqrt(amax) * jnp.sqrt(amin), amax)
+
+
+def expand(x: jax.Array, k: jax.Array, c: jax.Array) -> jax.Array:
+    """The reference's ``f(x) = sign(x) |x / c|^k`` (kept for tests and reading)."""
+    return jnp.sign(x) * jnp.power(jnp.abs(x / c), k)
+
+
+def contract(y: jax.Array, k: jax.Array, c: jax.Array) -> jax.Array:
+    """The reference's ``f^-1(y) = sign(y) |y|^(1/k) c``."""
+    return jnp.sign(y) * jnp.power(jnp.abs(y), 1.0 / k) * c
