@@ -62,6 +62,8 @@ __all__ = [
 K_STEP = 1.0 / 16.0
 K_MIN = 1 * K_STEP
 K_MAX = 255 * K_STEP
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+_LOG_TINY = -80.0  # exp() stays a normal fp32 above this
 
 
 def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
@@ -99,17 +101,27 @@ def decode_k(code: jax.Array) -> jax.Array:
 def expanded_encode(x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
     """``sign(x) * fmt.max * (|x| / amax)^k``: expansion and absmax scaling in one (fp32).
 
-    ``amax`` and ``k`` broadcast against ``x``; groups with ``amax == 0`` map to 0.
+    ``amax`` and ``k`` broadcast against ``x``; groups with ``amax == 0`` map to 0. Ratios below
+    fp32's normal range (a group spanning more than 38 decades) are taken in the log domain.
     """
     x = x.astype(jnp.float32)
-    ratio = jnp.abs(x) / jnp.where(amax > 0, amax, 1.0)
-    return jnp.sign(x) * (fmt.max * jnp.power(ratio, k))
+    a = jnp.abs(x)
+    amax = jnp.where(amax > 0, amax, 1.0)
+    ratio = a / amax
+    log_ratio = jnp.where(ratio >= _TINY, jnp.log(ratio), jnp.log(a) - jnp.log(amax))
+    return jnp.sign(x) * (fmt.max * jnp.exp(k * log_ratio))
 
 
 def expanded_decode(q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
-    """Inverse of :func:`expanded_encode`: ``sign(q) * amax * (|q| / fmt.max)^(1/k)`` (fp32)."""
+    """Inverse of :func:`expanded_encode`: ``sign(q) * amax * (|q| / fmt.max)^(1/k)`` (fp32).
+
+    ``|q| == fmt.max`` decodes to exactly ``amax``; factors below fp32's range stay in the log
+    domain until multiplied by ``amax``.
+    """
     q = q.astype(jnp.float32)
-    return jnp.sign(q) * (amax * jnp.power(jnp.abs(q) / fmt.max, 1.0 / k))
+    t = jnp.log(jnp.abs(q) / fmt.max) / k
+    magnitude = jnp.where(t > _LOG_TINY, amax * jnp.exp(t), jnp.exp(t + jnp.log(amax)))
+    return jnp.sign(q) * magnitude
 
 
 def expansion_centre(amax: jax.Array, amin: jax.Array) -> jax.Array:

@@ -63,7 +63,7 @@ def _check_format(name, what: str):
 
 
 def _check_static_int(value, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or isinstance(value, jax.Array):
+    if isinstance(value, (bool, jax.Array)):
         raise TypeError(
             f"{what} must be a static Python int, got {type(value).__name__}; with "
             "optax.inject_hyperparams pass static_args=('group_size', 'min_size')"
@@ -161,9 +161,11 @@ def scale_by_fp8_adam(
 
         def zeros(p, fmt):
             z = jnp.zeros(p.shape, jnp.float32)
-            return quantize(z, fmt, group_size=group_size, expand=expansion) if (
-                quantized(p, fmt)
-            ) else z
+            return (
+                quantize(z, fmt, group_size=group_size, expand=expansion)
+                if (quantized(p, fmt))
+                else z
+            )
 
         mu = jax.tree.map(lambda p: zeros(p, mu_fmt), params)
         nu = jax.tree.map(lambda p: zeros(p, nu_fmt), params)
@@ -187,9 +189,7 @@ def scale_by_fp8_adam(
         flat_mu = treedef.flatten_up_to(state.mu)
         flat_nu = treedef.flatten_up_to(state.nu)
         out = [leaf(g, m, v) for g, m, v in zip(flat_g, flat_mu, flat_nu, strict=True)]
-        new_updates, new_mu, new_nu = (
-            treedef.unflatten([o[i] for o in out]) for i in range(3)
-        )
+        new_updates, new_mu, new_nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return new_updates, ScaleByFp8AdamState(count=count_inc, mu=new_mu, nu=new_nu)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -179,8 +179,10 @@ def quantize(
         k_code = expansion.encode_k(k)
     else:
         amax = jnp.max(jnp.abs(x), axis=axes)
-        safe = jnp.where(amax > 0, amax, 1.0)[bcast]
-        scaled = (x / safe) * fmt.max
+        # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
+        # into a product with its reciprocal, which flushes to zero for amax > 2^126.
+        factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
+        scaled = x * factor[bcast]
         k_code = None
     return QuantizedArray(saturating_cast(scaled, fmt), amax, k_code, last_dim)
 
@@ -197,4 +199,3 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     if q.per_group:
         x = from_groups(x, q.last_dim)
     return x.astype(dtype)
-

@@ -1,0 +1,255 @@
+"""scale_by_fp8_adam / fp8_adamw: exactness harness, state layout and bytes, optax wrappers."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import coat_jax
+from coat_jax.quant import QuantizedArray
+
+
+def make_params(seed=0, dtype=jnp.float32):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "dense": {"kernel": jax.random.normal(k1, (48, 130), dtype), "bias": jnp.zeros(130, dtype)},
+        "embed": jax.random.normal(k2, (3, 7, 64), dtype),
+        "scalar": jnp.asarray(0.5, dtype),
+        "vec": jax.random.normal(k3, (300,), dtype),
+    }
+
+
+def grads_stream(params, steps, seed=1):
+    """Fresh random gradients of growing spread per step (deterministic per seed)."""
+    keys = jax.random.split(jax.random.key(seed), steps)
+    for i, key in enumerate(keys):
+        leaves, treedef = jax.tree.flatten(params)
+        ks = jax.random.split(key, len(leaves))
+        yield treedef.unflatten(
+            [
+                jax.random.normal(k, p.shape, p.dtype) * (1 + i) ** 0.5
+                for k, p in zip(ks, leaves, strict=True)
+            ]
+        )
+
+
+def run(opt, params, steps=12, seed=1):
+    state = opt.init(params)
+    step = jax.jit(lambda g, s, p: opt.update(g, s, p))
+    history = []
+    for grads in grads_stream(params, steps, seed):
+        updates, state = step(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(updates)
+    return params, state, history
+
+
+EXACT_CASES = {
+    "defaults": dict(learning_rate=1e-3),
+    "betas_eps": dict(learning_rate=3e-2, b1=0.8, b2=0.95, eps=1e-6, eps_root=1e-9),
+    "schedule": dict(learning_rate=optax.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 12)),
+    "masked_decay": dict(
+        learning_rate=1e-2,
+        weight_decay=0.3,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_formats_off_equals_optax_adamw(case):
+    kwargs = EXACT_CASES[case]
+    ours = coat_jax.fp8_adamw(**kwargs, mu_format=None, nu_format=None, min_size=0)
+    params_a, _, hist_a = run(ours, make_params())
+    params_b, _, hist_b = run(optax.adamw(**kwargs), make_params())
+    chex.assert_trees_all_close(hist_a, hist_b, rtol=1e-6, atol=1e-9)
+    chex.assert_trees_all_close(params_a, params_b, rtol=1e-6, atol=1e-9)
+
+
+def test_first_step_uses_fresh_fp32_moments():
+    """Step 1 dequantizes zeros exactly and computes the update before requantizing: exact."""
+    opt = coat_jax.fp8_adamw(1e-2, min_size=0)
+    params = make_params()
+    grads = next(grads_stream(params, 1))
+    u8, _ = opt.update(grads, opt.init(params), params)
+    u32, _ = optax.adamw(1e-2).update(grads, optax.adamw(1e-2).init(params), params)
+    chex.assert_trees_all_close(u8, u32, rtol=1e-6)
+
+
+@pytest.mark.parametrize("expansion", [True, False])
+@pytest.mark.parametrize(("mu", "nu"), [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e5m2")])
+def test_fp8_updates_track_fp32_adamw(mu, nu, expansion):
+    kw = dict(learning_rate=1e-2, min_size=0, mu_format=mu, nu_format=nu, expansion=expansion)
+    params_a, state, hist_a = run(coat_jax.fp8_adamw(**kw), make_params())
+    params_b, _, hist_b = run(optax.adamw(1e-2), make_params())
+    mu_state = state[0].mu["dense"]["kernel"]
+    assert isinstance(mu_state, QuantizedArray) and mu_state.expanded == expansion
+    for a, b in zip(jax.tree.leaves(hist_a[-1]), jax.tree.leaves(hist_b[-1]), strict=True):
+        rel = np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b)
+        assert rel < 0.1, rel
+    chex.assert_trees_all_close(params_a, params_b, atol=0.03)
+
+
+def test_state_layout_follows_params_leading_shape():
+    params = make_params()
+    state = coat_jax.scale_by_fp8_adam(min_size=0).init(params)
+    for moments in (state.mu, state.nu):
+        kernel, embed = moments["dense"]["kernel"], moments["embed"]
+        assert kernel.data.shape == (48, 2, 65) and kernel.amax.shape == (48, 2)
+        assert embed.data.shape == (3, 7, 1, 64) and embed.k.shape == (3, 7, 1)
+        assert moments["scalar"].dtype == jnp.float32 and moments["scalar"].shape == ()
+    assert state.mu["dense"]["kernel"].data.dtype == jnp.float8_e4m3fn
+
+
+def test_min_size_keeps_small_params_fp32():
+    params = make_params()
+    state = coat_jax.scale_by_fp8_adam(min_size=200).init(params)
+    assert isinstance(state.mu["vec"], QuantizedArray)  # 300 elements
+    assert state.mu["dense"]["bias"].dtype == jnp.float32  # 130 elements
+    assert coat_jax.DEFAULT_MIN_SIZE == 16384
+
+
+def test_state_bytes_per_parameter():
+    """<= 2.1 bytes per quantized parameter (m + v + scales), from abstract params."""
+    shapes = {"q": (4096, 4096), "up": (4096, 11008), "down": (11008, 4096), "emb": (32000, 4096)}
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    for expansion, limit in [(True, 2.1), (False, 2.07)]:
+        opt = coat_jax.scale_by_fp8_adam(expansion=expansion)
+        state = jax.eval_shape(opt.init, params)
+        n_params = sum(np.prod(s) for s in shapes.values())
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) - 4
+        assert state_bytes / n_params <= limit, state_bytes / n_params
+        assert state_bytes / n_params == pytest.approx(2 + 2 * (5 if expansion else 4) / 128)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_update_dtype_follows_gradient_and_state_dtypes_never_drift(dtype):
+    params = make_params(dtype=dtype)
+    opt = coat_jax.fp8_adamw(1e-3, min_size=0)
+    state0 = opt.init(params)
+    grads = next(grads_stream(params, 1))
+
+    @jax.jit
+    def step(grads, state):
+        # under lax.cond, as optax tests do: both branches must agree on dtypes
+        return jax.lax.cond(True, lambda: opt.update(grads, state, params), lambda: (grads, state))
+
+    updates, state1 = step(grads, state0)
+    chex.assert_trees_all_equal_dtypes(updates, grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state0, state1)
+    _, state2 = step(grads, state1)
+    assert step._cache_size() == 1  # no recompilation on the second step
+    chex.assert_trees_all_equal_shapes_and_dtypes(state0, state2)
+
+
+def test_init_from_shape_dtype_structs():
+    params = make_params()
+    opt = coat_jax.fp8_adamw(1e-3, min_size=0)
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abstract = jax.eval_shape(opt.init, structs)
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, opt.init(params))
+
+
+def test_inject_hyperparams():
+    opt = optax.inject_hyperparams(coat_jax.fp8_adamw, static_args=("group_size", "min_size"))(
+        learning_rate=1e-2, weight_decay=0.1, min_size=0, group_size=64
+    )
+    params, state, _ = run(opt, make_params(), steps=3)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
+    state.hyperparams["learning_rate"] = jnp.asarray(0.0)
+    updates, _ = opt.update(next(grads_stream(params, 1)), state, params)
+    assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
+
+
+def test_inject_hyperparams_without_static_args_says_how():
+    opt = optax.inject_hyperparams(coat_jax.fp8_adamw)(learning_rate=1e-2, group_size=64)
+    with pytest.raises(TypeError, match="static_args"):
+        jax.jit(opt.init)(make_params())
+
+
+def test_apply_if_finite_skips_bad_steps_and_keeps_fp8_state():
+    opt = optax.apply_if_finite(coat_jax.fp8_adamw(1e-2, min_size=0), max_consecutive_errors=5)
+    params = make_params()
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    good = list(grads_stream(params, 3))
+    _, state = step(good[0], state, params)
+    before = state.inner_state
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), good[1])
+    updates, state = step(bad, state, params)
+    assert int(state.notfinite_count) == 1
+    assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
+    chex.assert_trees_all_equal(before, state.inner_state)  # bit-identical FP8 state
+    updates, state = step(good[2], state, params)
+    assert int(state.notfinite_count) == 0
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+def test_nonfinite_gradient_without_guard_poisons_like_optax():
+    """Documented behaviour: the touched groups of the moments become NaN, as in optax.adamw."""
+    opt = coat_jax.scale_by_fp8_adam(min_size=0)
+    params = {"w": jnp.ones((2, 128))}
+    grads = {"w": jnp.ones((2, 128)).at[0, 0].set(jnp.inf)}
+    updates, state = opt.update(grads, opt.init(params))
+    assert np.isnan(np.asarray(updates["w"][0])).any()
+    assert np.isfinite(np.asarray(updates["w"][1])).all()
+    assert np.isnan(np.asarray(coat_jax.dequantize(state.mu["w"])[0])).any()
+
+
+def test_multisteps_accumulates_then_applies():
+    kw = dict(learning_rate=1e-2, min_size=0)
+    ms = optax.MultiSteps(coat_jax.fp8_adamw(**kw), every_k_schedule=2)
+    ref = optax.MultiSteps(
+        coat_jax.fp8_adamw(**kw, mu_format=None, nu_format=None), every_k_schedule=2
+    )
+    params_a, state_a, hist_a = run(ms, make_params(), steps=6)
+    params_b, _, hist_b = run(ref, make_params(), steps=6)
+    for i in (0, 2, 4):  # accumulation steps apply nothing
+        assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(hist_a[i]))
+    assert int(state_a.inner_opt_state[0].count) == 3
+    chex.assert_trees_all_close(params_a, params_b, atol=0.02)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state_a, ms.init(make_params()))
+
+
+def test_masked_wraps_a_subset():
+    params = make_params()
+    mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+    opt = optax.chain(
+        optax.masked(coat_jax.scale_by_fp8_adam(min_size=0), mask),
+        optax.scale_by_learning_rate(1e-2),
+    )
+    new_params, state, _ = run(opt, params, steps=2)
+    inner = state[0].inner_state
+    assert isinstance(inner.mu["dense"]["kernel"], QuantizedArray)
+    assert isinstance(inner.mu["vec"], optax.MaskedNode)
+    assert not np.allclose(new_params["embed"], params["embed"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(group_size=0), ValueError, "group_size"),
+        (dict(group_size=12.0), TypeError, "group_size"),
+        (dict(min_size=-1), ValueError, "min_size"),
+        (dict(mu_format="e3m4"), ValueError, "mu_format: unknown FP8 format"),
+        (dict(nu_format="fp16"), ValueError, "nu_format: unknown FP8 format"),
+        (dict(expansion="yes"), TypeError, "expansion"),
+        (dict(b1=1.0), ValueError, "b1"),
+        (dict(b2=-0.1), ValueError, "b2"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        coat_jax.fp8_adamw(1e-3, **kwargs)
+
+
+def test_non_float_params_and_grads_fail_with_the_leaf_named():
+    opt = coat_jax.fp8_adamw(1e-3)
+    with pytest.raises(TypeError, match=r"param \['steps'\] has dtype int32"):
+        opt.init({"w": jnp.ones(3), "steps": jnp.zeros(3, jnp.int32)})
+    state = opt.init({"w": jnp.ones(3)})
+    with pytest.raises(TypeError, match=r"gradient \['w'\] has dtype int32"):
+        opt.update({"w": jnp.ones(3, jnp.int32)}, state, {"w": jnp.ones(3)})

@@ -1,0 +1,16 @@
+"""README's Python examples run as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README lost its API example"
+    for block in blocks:
+        namespace = {}
+        exec(compile(block, str(README), "exec"), namespace)
+        assert str(namespace["state"][1][0].mu["w"].data.dtype) == "float8_e4m3fn"
+        assert namespace["state"][1][0].mu["norm"].dtype == "float32"
