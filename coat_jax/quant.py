@@ -142,6 +142,7 @@ def quantize(
     *,
     group_size: int | None = None,
     expand: bool = False,
+    amax: jax.Array | None = None,
 ) -> QuantizedArray:
     """Quantizes ``x`` to FP8 per tensor (``group_size=None``) or per group of the last axis.
 
@@ -150,6 +151,8 @@ def quantize(
       fmt: ``"e4m3"``, ``"e5m2"`` or an :class:`Fp8Format`.
       group_size: largest group along the last axis; ``None`` scales the whole tensor at once.
       expand: apply dynamic range expansion per group (per tensor when ``group_size=None``).
+      amax: use this ``max |x|`` (shaped like the result's ``amax``) instead of measuring it,
+        e.g. to requantize a recomputed tensor exactly as before; plain scaling only.
 
     Returns:
       A :class:`QuantizedArray`; :func:`dequantize` inverts it.
@@ -172,13 +175,17 @@ def quantize(
     axes = -1 if group_size is not None else tuple(range(x.ndim))
     bcast = (..., None) if group_size is not None else ()
     x = x.astype(jnp.float32)
+    if amax is not None and expand:
+        raise ValueError("quantize: a given amax is only supported without expansion")
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
         k = expansion.expansion_exponent(amax, amin, fmt)
         scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt)
         k_code = expansion.encode_k(k)
     else:
-        amax = jnp.max(jnp.abs(x), axis=axes)
+        if amax is None:
+            amax = jnp.max(jnp.abs(x), axis=axes)
+        amax = jnp.asarray(amax, jnp.float32)
         # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
         # into a product with its reciprocal, which flushes to zero for amax > 2^126.
         factor = fmt.max / jnp.where(amax > 0, amax, 1.0)

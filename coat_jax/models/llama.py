@@ -1,0 +1,145 @@
+"""Llama (RoPE, GQA, SwiGLU, RMSNorm, tied or untied head) as a Flax NNX model.
+
+The precision policy (``"bf16"``, ``"fp8_linear"``, ``"coat"``) is a config field; embedding,
+final norm, LM head and the loss stay BF16/fp32 in every policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from coat_jax import flow
+from coat_jax.nn import Block
+from coat_jax.policy import get_policy
+
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "loss_fn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and precision of a Llama model.
+
+    Attributes:
+      vocab_size, dim, n_layers, n_heads: the usual sizes.
+      n_kv_heads: key/value heads (GQA); ``None`` means ``n_heads``.
+      ffn_dim: SwiGLU MLP width.
+      rope_theta: RoPE base.
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: use the embedding matrix as the LM head.
+      precision: ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
+    """
+
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    ffn_dim: int = 11008
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    precision: str = "coat"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        kv = self.kv_heads
+        if self.dim % self.n_heads or self.n_heads % kv or (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"LlamaConfig: dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {kv} need "
+                "dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim"
+            )
+        get_policy(self.precision)  # raises on an unknown name
+        if self.precision == "coat":
+            for name in ("dim", "ffn_dim"):
+                if getattr(self, name) % flow.ACT_GROUP:
+                    raise ValueError(
+                        f"LlamaConfig.{name}={getattr(self, name)} must be a multiple of "
+                        f"{flow.ACT_GROUP} (the FP8 group size) for precision='coat'"
+                    )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        kv = self.kv_heads * self.head_dim
+        block = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.dim * self.vocab_size
+        return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+
+
+PRESETS = {
+    "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176),
+    "llama2_7b": LlamaConfig(),
+    "llama2_13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
+    "llama3_8b": LlamaConfig(vocab_size=128256, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0),
+}
+
+
+class Llama(nnx.Module):
+    """Decoder-only Llama; ``model(tokens)`` returns fp32 logits ``(B, T, vocab)``."""
+
+    def __init__(self, config: LlamaConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        policy = get_policy(config.precision)
+        self.embed = nnx.Param(
+            jax.random.normal(rngs.params(), (config.vocab_size, config.dim), param_dtype) * 0.02,
+            logical_axes=("vocab", "embed"),
+        )
+        self.blocks = nnx.List(
+            [
+                Block(
+                    config.dim,
+                    config.n_heads,
+                    config.kv_heads,
+                    config.ffn_dim,
+                    policy=policy,
+                    rope_theta=config.rope_theta,
+                    norm_eps=config.norm_eps,
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                )
+                for _ in range(config.n_layers)
+            ]
+        )
+        self.final_norm = nnx.Param(jnp.ones((config.dim,), param_dtype), logical_axes=("embed",))
+        head = None
+        if not config.tie_embeddings:
+            w = jax.random.normal(rngs.params(), (config.dim, config.vocab_size), param_dtype)
+            head = nnx.Param(w / jnp.sqrt(config.dim), logical_axes=("embed", "vocab"))
+        self.lm_head = nnx.data(head)
+
+    def __call__(self, tokens: jax.Array, compute_dtype=jnp.bfloat16) -> jax.Array:
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"Llama expects int tokens (batch, seq), got {tokens.dtype}{tokens.shape}"
+            )
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed[...][tokens].astype(compute_dtype)
+        for block in self.blocks:
+            x = block(x, positions)
+        x = flow.rmsnorm(x, self.final_norm[...], self.config.norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+
+def loss_fn(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of ``tokens (B, T+1)``; ``mask (B, T)`` weights it."""
+    logits = model(tokens[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if mask is None:
+        return losses.mean()
+    mask = mask.astype(jnp.float32)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
