@@ -33,8 +33,8 @@ __all__ = ["POLICIES", "Bf16Policy", "CoatPolicy", "Fp8LinearPolicy", "Policy", 
 
 
 def _bf16_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    """``x @ kernel`` in ``x.dtype`` (BF16 operands and output, fp32 accumulation on GPU)."""
+    return jnp.dot(x, kernel.astype(x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
