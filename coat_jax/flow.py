@@ -58,19 +58,23 @@ ACT_GROUP = 16
 # The GEMM: one function behind which the backend (XLA cuBLASLt FP8 or Pallas) is chosen.
 
 
-def fp8_gemm(a: QuantizedArray, b: QuantizedArray, contract: tuple[int, int]) -> jax.Array:
-    """``sum_k a[..., k] b[k, ...]`` of two per-tensor FP8 operands, fp32 result.
+def fp8_gemm(
+    a: QuantizedArray, b: QuantizedArray, contract: tuple[int, int], out_dtype=jnp.float32
+) -> jax.Array:
+    """``sum_k a[..., k] b[k, ...]`` of two per-tensor FP8 operands, in ``out_dtype``.
 
     FP8 codes feed ``lax.dot_general`` directly with fp32 accumulation, the pattern that XLA
-    rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product.
+    rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product and
+    the cast to ``out_dtype`` joins the GEMM's epilogue there.
 
     Args:
       a, b: per-tensor :class:`QuantizedArray` operands.
       contract: the contracted axis of ``a`` and of ``b``.
+      out_dtype: dtype of the result.
     """
     dims = (((contract[0] % a.data.ndim,), (contract[1] % b.data.ndim,)), ((), ()))
     out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.float32)
-    return out * (a.scale * b.scale)
+    return (out * (a.scale * b.scale)).astype(out_dtype)
 
 
 def _quantize_grad(dy):
@@ -83,17 +87,23 @@ def _matrix(x):
 
 
 def _project_backward(xq: QuantizedArray, wqs, douts, w_dtypes):
-    """Shared backward of a projection ``y_i = x @ W_i``: ``(dx in fp32, (dW_i, ...))``."""
+    """Shared backward of a projection ``y_i = x @ W_i``: ``(dx, (dW_i, ...))``.
+
+    ``dx`` comes in the output gradients' dtype (summed in fp32 over several kernels), each
+    ``dW_i`` in its kernel's dtype.
+    """
+    dx_dtype = douts[0].dtype
+    term_dtype = dx_dtype if len(wqs) == 1 else jnp.float32
     dx = None
     dws = []
     x2 = QuantizedArray(_matrix(xq.data), xq.amax)
     for wq, dy, dtype in zip(wqs, douts, w_dtypes, strict=True):
         dyq = _quantize_grad(dy)
-        term = fp8_gemm(dyq, wq, contract=(-1, 1))
+        term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype)
         dx = term if dx is None else dx + term
         dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
-        dws.append(fp8_gemm(x2, dy2, contract=(0, 0)).astype(dtype))
-    return dx, tuple(dws)
+        dws.append(fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype))
+    return dx.astype(dx_dtype), tuple(dws)
 
 
 def _dtypes(arrays) -> tuple:
@@ -124,7 +134,7 @@ def _fp8_project_fwd(w_dtypes, x, kernels):
     del w_dtypes
     xq = quantize(x, E4M3)
     wqs = tuple(quantize(w, E4M3) for w in kernels)
-    outs = tuple(fp8_gemm(xq, wq, contract=(-1, 0)).astype(x.dtype) for wq in wqs)
+    outs = tuple(fp8_gemm(xq, wq, contract=(-1, 0), out_dtype=x.dtype) for wq in wqs)
     return outs, (xq, wqs)
 
 
@@ -227,17 +237,18 @@ def _fp8_norm_project(eps, w_dtypes, x, norm_scale, kernels):
 def _fp8_norm_project_fwd(eps, w_dtypes, x, norm_scale, kernels):
     del w_dtypes
     xg = _save_1x16(x)
-    yq = quantize(_rmsnorm_math(dequantize(xg), norm_scale, eps), E4M3)
+    y = _rmsnorm_math(dequantize(xg, x.dtype), norm_scale, eps).astype(x.dtype)
+    yq = quantize(y, E4M3)
     wqs = tuple(quantize(w, E4M3) for w in kernels)
-    outs = tuple(fp8_gemm(yq, wq, contract=(-1, 0)).astype(x.dtype) for wq in wqs)
+    outs = tuple(fp8_gemm(yq, wq, contract=(-1, 0), out_dtype=x.dtype) for wq in wqs)
     return outs, (xg, norm_scale, yq.amax, wqs)
 
 
 def _fp8_norm_project_bwd(eps, w_dtypes, residuals, douts):
     xg, norm_scale, y_amax, wqs = residuals
-    x = dequantize(xg)
-    norm = lambda a, s: _rmsnorm_math(a, s, eps)
-    y, norm_vjp = jax.vjp(norm, x, norm_scale)
+    dtype = douts[0].dtype
+    norm = lambda a, s: _rmsnorm_math(a, s, eps).astype(dtype)
+    y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = quantize(y, E4M3, amax=y_amax)
     dy, dws = _project_backward(yq, wqs, douts, w_dtypes)
     dx, dscale = norm_vjp(dy)
@@ -269,15 +280,18 @@ def _fp8_swiglu_project(w_dtype, gate, up, kernel):
 def _fp8_swiglu_project_fwd(w_dtype, gate, up, kernel):
     del w_dtype
     gq, uq = _save_1x16(gate), _save_1x16(up)
-    hq = quantize(_swiglu_math(dequantize(gq), dequantize(uq)), E4M3)
-    wq = quantize(kernel, E4M3)
-    out = fp8_gemm(hq, wq, contract=(-1, 0)).astype(gate.dtype)
+    dtype = gate.dtype
+    h = _swiglu_math(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
+    hq, wq = quantize(h, E4M3), quantize(kernel, E4M3)
+    out = fp8_gemm(hq, wq, contract=(-1, 0), out_dtype=dtype)
     return out, (gq, uq, hq.amax, wq)
 
 
 def _fp8_swiglu_project_bwd(w_dtype, residuals, dout):
     gq, uq, h_amax, wq = residuals
-    h, swiglu_vjp = jax.vjp(_swiglu_math, dequantize(gq), dequantize(uq))
+    dtype = dout.dtype
+    swiglu = lambda g, u: _swiglu_math(g, u).astype(dtype)
+    h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
     hq = quantize(h, E4M3, amax=h_amax)
     dh, (dw,) = _project_backward(hq, (wq,), (dout,), (w_dtype,))
     dgate, dup = swiglu_vjp(dh)
