@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["activation_bytes_per_example", "saved_residual_bytes"]
+__all__ = [
+    "activation_bytes_per_example",
+    "saved_activation_bytes_abstract",
+    "saved_residual_bytes",
+]
 
 
 def saved_residual_bytes(f, *args) -> int:
@@ -30,3 +34,15 @@ def activation_bytes_per_example(make_args, f) -> int:
       f: the function whose residuals to measure.
     """
     return saved_residual_bytes(f, *make_args(2)) - saved_residual_bytes(f, *make_args(1))
+
+
+def saved_activation_bytes_abstract(f, *args, batch_dims: tuple[int, ...]) -> int:
+    """Bytes of the residuals ``jax.vjp(f, *args)`` saves whose leading dims are ``batch_dims``,
+    from shapes alone (``jax.eval_shape``: nothing is computed or allocated)."""
+    residuals = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args)
+    n = len(batch_dims)
+    return sum(
+        r.size * r.dtype.itemsize
+        for r in jax.tree.leaves(residuals)
+        if r.ndim >= n and tuple(r.shape[:n]) == tuple(batch_dims)
+    )

@@ -1,0 +1,138 @@
+"""Training configuration: the one place for defaults, and its validation.
+
+Config files under ``configs/`` call :func:`base_config` and change what differs; ``train.py``
+loads them with ``ml_collections`` (``--config configs/llama.py --config.steps=100``). The
+returned ConfigDict is locked: a misspelt key fails at the command line, naming the key;
+:func:`validate` rejects bad values, naming the key, before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from coat_jax.formats import get_format
+from coat_jax.models.llama import PRESETS, LlamaConfig
+from coat_jax.policy import POLICIES
+
+__all__ = ["base_config", "llama_config", "model_fields", "validate"]
+
+OPTIMIZERS = ("fp8_adamw", "adamw")
+
+
+def model_fields(preset: str) -> ml_collections.ConfigDict:
+    """The :class:`LlamaConfig` fields of a preset (``PRESETS``), minus ``precision``."""
+    fields = dataclasses.asdict(PRESETS[preset])
+    fields.pop("precision")
+    fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
+    return ml_collections.ConfigDict(fields)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All keys with their defaults (a tiny model on the embedded corpus)."""
+    c = ml_collections.ConfigDict()
+    c.model = model_fields("tiny")
+    c.precision = "coat"  # bf16 | fp8_linear | coat
+    c.optimizer = ml_collections.ConfigDict(
+        dict(
+            name="fp8_adamw",  # fp8_adamw | adamw
+            lr=3e-3,
+            min_lr_ratio=0.1,  # cosine decays to lr * min_lr_ratio
+            warmup_steps=50,
+            weight_decay=0.1,
+            decay_embeddings=False,  # norms and biases are never decayed
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            grad_clip=1.0,  # global norm; 0 disables
+            mu_format="e4m3",
+            nu_format="e4m3",
+            expansion=True,
+            group_size=128,
+            min_size=16384,
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(source="stdlib", tokenizer="bytes", text_key="text", eval_fraction=0.05)
+    )
+    c.batch_size = 16  # sequences per optimizer step (split over grad_accum micro-batches)
+    c.seq_len = 128
+    c.grad_accum = 1
+    c.steps = 300
+    c.seed = 0
+    c.log_interval = 25
+    c.eval_interval = 100
+    c.eval_batches = 4
+    c.checkpoint_interval = 100
+    c.keep_checkpoints = 3
+    c.resume = False
+    c.workdir = "runs/llama"
+    c.peak_tflops = 0.0  # per device, for MFU; 0 = from the device kind
+    c.progress = True
+    c.lock()
+    return c
+
+
+def _positive_int(c, key):
+    value = _get(c, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.{key} must be a positive int, got {value!r}")
+
+
+def _get(c, key):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad key."""
+    for key in ("batch_size", "seq_len", "grad_accum", "steps", "log_interval", "eval_interval",
+                "eval_batches", "checkpoint_interval", "keep_checkpoints"):  # fmt: skip
+        _positive_int(c, key)
+    if c.batch_size % c.grad_accum:
+        raise ValueError(
+            f"config.batch_size={c.batch_size} must be a multiple of "
+            f"config.grad_accum={c.grad_accum}"
+        )
+    if c.precision not in POLICIES:
+        raise ValueError(f"config.precision={c.precision!r}: expected one of {sorted(POLICIES)}")
+    o = c.optimizer
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"config.optimizer.name={o.name!r}: expected one of {list(OPTIMIZERS)}")
+    if not o.lr > 0:
+        raise ValueError(f"config.optimizer.lr must be > 0, got {o.lr}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError(f"config.optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.warmup_steps < 0 or o.warmup_steps >= c.steps:
+        raise ValueError(
+            f"config.optimizer.warmup_steps={o.warmup_steps} must be in [0, steps={c.steps})"
+        )
+    for key in ("b1", "b2"):
+        if not 0 <= o[key] < 1:
+            raise ValueError(f"config.optimizer.{key} must be in [0, 1), got {o[key]}")
+    if o.grad_clip < 0 or o.weight_decay < 0:
+        raise ValueError("config.optimizer.grad_clip and weight_decay must be >= 0")
+    for key in ("mu_format", "nu_format"):
+        if o[key] is not None:
+            try:
+                get_format(o[key])
+            except ValueError:
+                raise ValueError(
+                    f"config.optimizer.{key}={o[key]!r}: expected 'e4m3', 'e5m2' or None"
+                ) from None
+    if not 0 < c.data.eval_fraction < 1:
+        raise ValueError(f"config.data.eval_fraction must be in (0, 1), got {c.data.eval_fraction}")
+    llama_config(c)  # model shape checks (divisibility, group size, ...) name their field
+
+
+def llama_config(c: ml_collections.ConfigDict, vocab_size: int | None = None) -> LlamaConfig:
+    """The model config: ``c.model`` fields plus ``c.precision``; ``vocab_size`` overrides."""
+    fields = dict(c.model.to_dict(), precision=c.precision)
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    try:
+        return LlamaConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.model: {e}") from None

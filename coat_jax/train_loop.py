@@ -1,0 +1,153 @@
+"""Train / eval step builders, the optimizer from a config, and run metrics (JSONL, plot, MFU).
+
+One optimizer step consumes ``batch (grad_accum, micro_batch, seq_len + 1)`` tokens: gradients
+are summed over the micro-batches in fp32 under ``lax.scan`` and averaged. Weight quantization
+inside the model is loop-invariant there, so XLA computes the FP8 weights once per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import coat_jax
+from coat_jax.models.llama import LlamaConfig, loss_fn
+
+__all__ = [
+    "flops_per_token",
+    "make_eval_step",
+    "make_optimizer",
+    "make_train_step",
+    "peak_flops",
+    "plot_metrics",
+    "MetricsWriter",
+]
+
+# Dense BF16 peak TFLOP/s per device (datasheet), for MFU when config.peak_tflops is 0.
+_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def decay_mask(params):
+    """Decay matrices only: no decay on norms, biases or (by default) embeddings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim >= 2 and "embed" not in jax.tree_util.keystr(path), params
+    )
+
+
+def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping, then AdamW or FP8 AdamW with warmup + cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=steps,
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    mask = (lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) if o.decay_embeddings else decay_mask
+    common = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    if o.name == "adamw":
+        opt = optax.adamw(schedule, **common)
+    else:
+        opt = coat_jax.fp8_adamw(
+            schedule,
+            **common,
+            group_size=o.group_size,
+            mu_format=o.mu_format,
+            nu_format=o.nu_format,
+            expansion=o.expansion,
+            min_size=o.min_size,
+        )
+    if o.grad_clip > 0:
+        opt = optax.chain(optax.clip_by_global_norm(o.grad_clip), opt)
+    return opt, schedule
+
+
+def make_train_step(graph, optimizer):
+    """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm})``, jitted with
+    params and optimizer state donated."""
+
+    def micro_loss(params, tokens):
+        return loss_fn(nnx.merge(graph, params), tokens)
+
+    def step(params, opt_state, batch):
+        def accumulate(grads, tokens):
+            loss, g = jax.value_and_grad(micro_loss)(params, tokens)
+            return jax.tree.map(jnp.add, grads, g), loss
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        grads, losses = jax.lax.scan(accumulate, zeros, batch)
+        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.global_norm(grads)}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(graph):
+    """``eval_step(params, tokens) -> loss``, jitted."""
+    return jax.jit(lambda params, tokens: loss_fn(nnx.merge(graph, params), tokens))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding params + LM head) + attention (12 L T d)."""
+    n = config.num_params() - config.vocab_size * config.dim
+    if config.tie_embeddings:
+        n += config.vocab_size * config.dim
+    return 6.0 * n + 12.0 * config.n_layers * seq_len * config.dim
+
+
+def peak_flops(override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the override, else by device kind; ``None`` if unknown."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    kind = jax.devices()[0].device_kind
+    for name, tflops in _PEAK_TFLOPS.items():
+        if name in kind:
+            return tflops * 1e12
+    return None
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``<workdir>/metrics.jsonl``."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+
+    def write(self, record: dict) -> None:
+        clean = {k: (float(v) if hasattr(v, "__float__") else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+    def read(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(records: list[dict], path: str) -> None:
+    """Train and eval loss against step, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("train_loss", "-"), ("eval_loss", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,164 @@
+"""train.py end to end (subprocesses): learning, resume, crash safety, config errors, planner."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from coat_jax import planner, train_loop
+from coat_jax.checkpoint import Checkpointer
+from coat_jax.configs import llama_config, validate
+from coat_jax.models.llama import Llama
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/llama_tiny.py")]
+
+
+def train(workdir, *overrides, wait=True):
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"--config.workdir={workdir}"]
+    cmd += list(overrides)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if not wait:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def saved_params(workdir, step):
+    path = os.path.join(workdir, "checkpoints", str(step), "params")
+    return jax.tree.leaves(ocp.PyTreeCheckpointer().restore(path))
+
+
+@pytest.mark.slow
+def test_short_run_learns_and_writes_its_outputs(tmp_path):
+    out = train(tmp_path, "--config.steps=60", "--config.log_interval=20")
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [20, 40, 60]
+    assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.3
+    assert "eval_loss" in records[-1] and records[-1]["tokens_per_s"] > 0
+    for name in ("loss.png", "config.json", "checkpoints/60/params"):
+        assert (tmp_path / name).exists(), name
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_bit_identical(tmp_path):
+    args = ["--config.steps=200", "--config.checkpoint_interval=20", "--config.log_interval=20"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, *args).returncode == 0
+    proc = train(run, *args, wait=False)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "60").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = train(run, *args, "--config.resume=True")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Resumed from step" in out.stdout
+    for a, b in zip(saved_params(ref, 200), saved_params(run, 200), strict=True):
+        np.testing.assert_array_equal(a, b)
+    losses = lambda d: [(r["step"], r["train_loss"]) for r in metrics(d)]
+    assert losses(ref) == losses(run)
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_save_keeps_previous_loadable(tmp_path):
+    proc = train(tmp_path, "--config.steps=400", "--config.checkpoint_interval=1", wait=False)
+    ckpt_dir = tmp_path / "checkpoints"
+    deadline, killed_mid_save = time.time() + 300, False
+    while time.time() < deadline and proc.poll() is None:
+        names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.exists() else []
+        if any(n.isdigit() for n in names) and any("tmp" in n for n in names):
+            proc.send_signal(signal.SIGKILL)
+            killed_mid_save = True
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert killed_mid_save, "never saw a checkpoint being written"
+    latest = Checkpointer(str(ckpt_dir)).latest_step()
+    assert latest is not None and (ckpt_dir / str(latest)).is_dir()
+    leaves = saved_params(tmp_path, latest)
+    assert leaves and all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("--config.optimizr.lr=1", "optimizr"),
+        ("--config.precision=fp4", "config.precision='fp4'"),
+        ("--config.batch_size=10", "config.batch_size=10 must be a multiple of config.grad_accum"),
+        ("--config.grad_accum=0", "config.grad_accum must be a positive int"),
+        ("--config.model.dim=72", "config.model"),
+        ("--config.optimizer.mu_format=e3m4", "config.optimizer.mu_format"),
+        ("--config.data.source=/nonexistent.txt", "config.data: data source not found"),
+        ("--config.steps=abc", "steps"),
+    ],
+)
+def test_bad_config_fails_fast_naming_the_key(tmp_path, override, match):
+    out = train(tmp_path, override, "--config.grad_accum=4" if "batch_size" in override else "")
+    assert out.returncode != 0
+    assert match in out.stdout + out.stderr
+
+
+def load_config(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tiny", "llama2_7b", "llama3_8b"])
+def test_shipped_configs_validate(name):
+    config = load_config(name)
+    validate(config)
+    with pytest.raises(AttributeError):
+        config.no_such_key = 1  # locked: typos cannot slip in
+    assert llama_config(config).num_params() > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_linear", "coat"])
+def test_planner_activation_estimate_matches_compiled(precision):
+    """Analytic temporaries vs XLA's compiled temp size on llama_tiny: within a factor of 2.5.
+
+    Stated margin: XLA's CPU buffer assignment does not minimize the peak (it keeps ~1.8x the
+    analytic working set here); the GPU figure is checked against a measured peak instead.
+    """
+    config = load_config("llama_tiny")
+    config.precision = precision
+    config.batch_size, config.seq_len = 16, 128
+    model_config = llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
+    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    batch = jax.ShapeDtypeStruct((1, 16, 129), jnp.int32)
+    step = train_loop.make_train_step(graph, optimizer)
+    plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config)
+    print(precision, {k: v for k, v in plan.items()})
+    assert plan["activations_estimate"] > 0
+    assert 0.4 < plan["temp_estimate"] / plan["compiled_temp"] < 2.5
+    assert "total, compiled" in planner.format_plan(plan)
+
+
+def test_flops_per_token_matches_6n_rule():
+    config = dataclasses.replace(llama_config(load_config("llama_tiny")), tie_embeddings=True)
+    n = config.num_params()
+    assert train_loop.flops_per_token(config, 1) == pytest.approx(6 * n + 12 * 2 * 64, rel=1e-6)

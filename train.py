@@ -1,0 +1,173 @@
+"""Train a Llama model with FP8 optimizer states and FP8 activations (COAT) in JAX.
+
+  python train.py --config configs/llama.py                      # small model, any machine
+  python train.py --config configs/llama.py --config.steps=1000 --config.precision=bf16
+  python train.py --config configs/llama2_7b.py --dry_run        # memory plan, nothing runs
+  python train.py --config configs/llama.py --config.resume=True # continue from the latest
+
+Writes to ``config.workdir``: checkpoints/, metrics.jsonl, loss.png, config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import config_flags
+
+from coat_jax import configs, data, planner, train_loop
+from coat_jax.checkpoint import Checkpointer
+from coat_jax.models.llama import Llama
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py", "Training config file.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print a memory plan, exit.")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build(config):
+    """Data, model, optimizer and the jitted steps of a validated config."""
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={config.model.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer.vocab_size})"
+        )
+    model_config = configs.llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(config.seed)))
+    optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
+    return tokenizer, model_config, graph, params, optimizer, schedule
+
+
+def dry_run(config, model_config, graph, params, optimizer) -> None:
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    params = abstract(params)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    micro = config.batch_size // config.grad_accum
+    batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
+    step = train_loop.make_train_step(graph, optimizer)
+    plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config)
+    run = f"{config.precision}, {config.optimizer.name}, batch {config.batch_size} x seq "
+    log(f"Memory plan ({run}{config.seq_len}, grad_accum {config.grad_accum}) on "
+        f"{jax.devices()[0].device_kind}:")  # fmt: skip
+    log(planner.format_plan(plan))
+    with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
+        json.dump(plan, f, indent=2)
+
+
+def evaluate(eval_step, params, sampler, batches: int) -> float:
+    return float(np.mean([eval_step(params, sampler.batch(i, "eval")) for i in range(batches)]))
+
+
+def main(argv):
+    del argv
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
+    config = _CONFIG.value
+    try:
+        configs.validate(config)
+        tokenizer, model_config, graph, params, optimizer, schedule = build(config)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"train.py: {e}")
+    os.makedirs(config.workdir, exist_ok=True)
+    n_params = model_config.num_params()
+    log(f"Llama {n_params / 1e6:.2f}M params, precision={config.precision}, "
+        f"optimizer={config.optimizer.name}, devices={jax.devices()}")  # fmt: skip
+    if _DRY_RUN.value:
+        dry_run(config, model_config, graph, params, optimizer)
+        return
+
+    try:
+        tokens = data.load_tokens(config.data.source, tokenizer, config.data.text_key)
+        sampler = data.BatchSampler(
+            tokens, config.seq_len, config.batch_size, config.seed, config.data.eval_fraction
+        )
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"train.py: config.data: {e}")
+    opt_state = optimizer.init(params)
+    train_step = train_loop.make_train_step(graph, optimizer)
+    eval_step = train_loop.make_eval_step(graph)
+    ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
+    metrics = train_loop.MetricsWriter(config.workdir)
+
+    start_step = 0
+    if config.resume and ckpt.latest_step() is not None:
+        params, opt_state, meta = ckpt.restore(ckpt.latest_step(), params, opt_state)
+        start_step = meta["step"]
+        if meta.get("seed") != config.seed:
+            raise ValueError(f"config.seed={config.seed} differs from the checkpoint's {meta}")
+        kept = [r for r in metrics.read() if r["step"] <= start_step]
+        with open(metrics.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        log(f"Resumed from step {start_step} ({ckpt.directory})")
+    elif not config.resume and os.path.exists(metrics.path):
+        os.remove(metrics.path)
+    with open(os.path.join(config.workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+
+    micro = config.batch_size // config.grad_accum
+    tokens_per_step = config.batch_size * config.seq_len
+    flops = train_loop.flops_per_token(model_config, config.seq_len) * tokens_per_step
+    peak = train_loop.peak_flops(config.peak_tflops)
+    bar = None
+    if config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start_step, config.steps):
+        batch = sampler.batch(step).reshape(config.grad_accum, micro, config.seq_len + 1)
+        params, opt_state, m = train_step(params, opt_state, batch)
+        window_steps += 1
+        done = step + 1
+        if step == start_step:  # keep compilation out of the throughput numbers
+            jax.block_until_ready(m)
+            window_start, window_steps = time.perf_counter(), 0
+        if done % config.log_interval == 0 or done == config.steps:
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])  # waits for the device
+            seconds = (time.perf_counter() - window_start) / max(window_steps, 1)
+            record = {"step": done, "train_loss": loss, "grad_norm": grad_norm,
+                      "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
+                      "step_ms": seconds * 1e3}  # fmt: skip
+            if peak:
+                record["mfu"] = flops / seconds / (peak * jax.device_count())
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                record["peak_mem_gb"] = stats["peak_bytes_in_use"] / 1e9
+            if done % config.eval_interval == 0 or done == config.steps:
+                record["eval_loss"] = evaluate(eval_step, params, sampler, config.eval_batches)
+            metrics.write(record)
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {done}; stopping")
+            line = " ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+            )
+            if bar:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.write(line)
+            else:
+                log(line)
+            window_start, window_steps = time.perf_counter(), 0
+        if bar:
+            bar.update(1)
+        if done % config.checkpoint_interval == 0 or done == config.steps:
+            ckpt.save(done, params, opt_state, {"seed": config.seed, "data_position": done})
+    if bar:
+        bar.close()
+    ckpt.wait()
+    ckpt.close()
+    train_loop.plot_metrics(metrics.read(), os.path.join(config.workdir, "loss.png"))
+    log(f"Done: {config.steps} steps; metrics, loss.png and checkpoints in {config.workdir}")
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
