@@ -35,8 +35,8 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def build(config):
-    """Data, model, optimizer and the jitted steps of a validated config."""
+def build(config, abstract: bool = False):
+    """Tokenizer, model (``abstract``: shapes only, nothing allocated) and optimizer."""
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -44,14 +44,13 @@ def build(config):
             f"tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
     model_config = configs.llama_config(config)
-    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(config.seed)))
+    make = lambda: Llama(model_config, rngs=nnx.Rngs(config.seed))
+    graph, params = nnx.split(nnx.eval_shape(make) if abstract else make())
     optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
     return tokenizer, model_config, graph, params, optimizer, schedule
 
 
 def dry_run(config, model_config, graph, params, optimizer) -> None:
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    params = abstract(params)
     opt_state = jax.eval_shape(optimizer.init, params)
     micro = config.batch_size // config.grad_accum
     batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
@@ -75,7 +74,7 @@ def main(argv):
     config = _CONFIG.value
     try:
         configs.validate(config)
-        tokenizer, model_config, graph, params, optimizer, schedule = build(config)
+        tokenizer, model_config, graph, params, optimizer, schedule = build(config, _DRY_RUN.value)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: {e}")
     os.makedirs(config.workdir, exist_ok=True)
@@ -99,18 +98,23 @@ def main(argv):
     ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
     metrics = train_loop.MetricsWriter(config.workdir)
 
-    start_step = 0
-    if config.resume and ckpt.latest_step() is not None:
-        params, opt_state, meta = ckpt.restore(ckpt.latest_step(), params, opt_state)
+    start_step, latest = 0, ckpt.latest_step()
+    if latest is not None and not config.resume:
+        sys.exit(
+            f"train.py: {ckpt.directory} already holds checkpoints (latest step {latest}); pass "
+            "--config.resume=True to continue that run or choose another --config.workdir"
+        )
+    if latest is not None:
+        params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         start_step = meta["step"]
         if meta.get("seed") != config.seed:
-            raise ValueError(f"config.seed={config.seed} differs from the checkpoint's {meta}")
+            sys.exit(f"train.py: config.seed={config.seed} differs from the checkpoint's {meta}")
         kept = [r for r in metrics.read() if r["step"] <= start_step]
         with open(metrics.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         log(f"Resumed from step {start_step} ({ckpt.directory})")
-    elif not config.resume and os.path.exists(metrics.path):
-        os.remove(metrics.path)
+    elif os.path.exists(metrics.path):
+        os.remove(metrics.path)  # no checkpoint: these metrics belong to nothing resumable
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
 

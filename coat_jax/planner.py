@@ -78,7 +78,7 @@ def memory_plan(train_step, graph, params, opt_state, batch, model_config: Llama
 
 
 def format_plan(plan: dict) -> str:
-    gb = lambda b: f"{b / 2**30:8.3f} GiB"
+    gb = lambda b: f"{b / 2**30:9.3f} GiB" if b >= 2**30 else f"{b / 2**20:9.1f} MiB"
     rows = [
         ("params", plan["params"]),
         ("gradients (fp32)", plan["grads"]),

@@ -121,7 +121,7 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
 
     def write(self, record: dict) -> None:
-        clean = {k: (float(v) if hasattr(v, "__float__") else v) for k, v in record.items()}
+        clean = {k: v if isinstance(v, (int, str)) else float(v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
 

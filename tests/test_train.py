@@ -99,6 +99,15 @@ def test_kill_during_checkpoint_save_keeps_previous_loadable(tmp_path):
     assert leaves and all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
 
 
+@pytest.mark.slow
+def test_existing_checkpoints_are_never_overwritten_without_resume(tmp_path):
+    assert train(tmp_path, "--config.steps=20").returncode == 0
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    out = train(tmp_path, "--config.steps=20")
+    assert out.returncode != 0 and "--config.resume=True" in out.stdout + out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
 @pytest.mark.parametrize(
     ("override", "match"),
     [
@@ -162,3 +171,42 @@ def test_flops_per_token_matches_6n_rule():
     config = dataclasses.replace(llama_config(load_config("llama_tiny")), tie_embeddings=True)
     n = config.num_params()
     assert train_loop.flops_per_token(config, 1) == pytest.approx(6 * n + 12 * 2 * 64, rel=1e-6)
+
+
+def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch():
+    """With grad_accum > 1, XLA hoists the (loop-invariant) weight quantization out of the
+    micro-batch loop: no FP8 weight-shaped value is produced inside the loop body."""
+    import re
+
+    config = load_config("llama_tiny")
+    model_config = llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
+    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    step = train_loop.make_train_step(graph, optimizer)
+    batch = jnp.zeros((4, 2, 65), jnp.int32)
+    hlo = step.lower(params, optimizer.init(params), batch).compile().as_text()
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) .*\{$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(line)
+    (body,) = re.findall(r"while\(.*?body=(%?[\w.\-]+)", hlo)
+    inside, todo = {body}, [body]
+    while todo:
+        for line in computations.get(todo.pop(), []):
+            for callee in re.findall(r"(?:calls|to_apply|body|condition)=(%?[\w.\-]+)", line):
+                if callee not in inside:
+                    inside.add(callee)
+                    todo.append(callee)
+    d, f = model_config.dim, model_config.ffn_dim
+    kv = model_config.kv_heads * model_config.head_dim
+    shapes = "|".join(f"{a},{b}" for a, b in [(d, d), (d, kv), (d, f), (f, d)])
+    pattern = re.compile(rf"= f8e4m3fn\[({shapes})\]")
+
+    def count(names):
+        return sum(len(pattern.findall(line)) for n in names for line in computations[n])
+
+    assert count(set(computations) - inside) > 0
+    assert count(inside) == 0
