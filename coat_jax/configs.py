@@ -16,7 +16,7 @@ from coat_jax.formats import get_format
 from coat_jax.models.llama import PRESETS, LlamaConfig
 from coat_jax.policy import POLICIES
 
-__all__ = ["base_config", "llama_config", "model_fields", "validate"]
+__all__ = ["base_config", "llama_config", "model_fields", "pretraining_config", "validate"]
 
 OPTIMIZERS = ("fp8_adamw", "adamw")
 
@@ -71,6 +71,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.peak_tflops = 0.0  # per device, for MFU; 0 = from the device kind
     c.progress = True
     c.lock()
+    return c
+
+
+def pretraining_config(preset: str) -> ml_collections.ConfigDict:
+    """A full-size preset (``llama2_7b``, ``llama3_8b``, ...) at context 2048, batch 1."""
+    c = base_config()
+    c.model = model_fields(preset)
+    c.batch_size, c.seq_len, c.steps = 1, 2048, 1000
+    c.optimizer.update(lr=3e-4, warmup_steps=100)
+    c.log_interval, c.eval_interval, c.checkpoint_interval = 10, 200, 500
+    c.workdir = f"runs/{preset}"
     return c
 
 
