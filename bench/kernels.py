@@ -1,0 +1,84 @@
+"""Memory-bound kernels on the GPU: Pallas quantize kernels vs the XLA-compiled jnp reference.
+
+  python bench/kernels.py [--rows 8192 --cols 8192] [--json out.json]
+
+For each kernel: median ms over --iters launches (inputs rotated over 3 buffers), the bytes it
+must move (each input read once, each output written once; the standalone two-stage per-tensor
+quantize reads its input twice) and the achieved GB/s, next to a device copy (read + write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coat_jax.quant import dequantize, quantize
+from pallas_kernels import quantize as kq
+
+
+def median_ms(fn, inputs, iters: int) -> float:
+    jax.block_until_ready(fn(inputs[0]))
+    times = []
+    for i in range(iters):
+        x = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    n = args.rows * args.cols
+    rows = []
+
+    def record(name, fn, inputs, nbytes):
+        ms = median_ms(fn, inputs, args.iters)
+        rows.append({"kernel": name, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6})
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        keys = jax.random.split(jax.random.key(0), 3)
+        xs = [jax.random.normal(k, (args.rows, args.cols), dtype) for k in keys]
+        b = jnp.dtype(dtype).itemsize
+        tag = jnp.dtype(dtype).name
+        record(f"copy {tag} (x * 2)", jax.jit(lambda x: x * 2), xs, 2 * b * n)
+        for g in (16, 128):
+            moved = n * (b + 1) + n // g * 4
+            record(f"per-group 1x{g} {tag}, XLA jnp", jax.jit(
+                lambda x, g=g: quantize(x, "e4m3", group_size=g)), xs, moved)  # fmt: skip
+            record(f"per-group 1x{g} {tag}, Pallas", lambda x, g=g: kq.quantize_per_group(
+                x, "e4m3", g), xs, moved)  # fmt: skip
+        record(f"per-tensor {tag}, XLA jnp", jax.jit(lambda x: quantize(x, "e4m3")), xs,
+               n * (2 * b + 1))  # fmt: skip
+        record(f"per-tensor {tag}, Pallas two-stage", lambda x: kq.quantize_per_tensor(x), xs,
+               n * (2 * b + 1))  # fmt: skip
+    qs = [kq.quantize_per_group(jax.random.normal(k, (args.rows, args.cols)), "e4m3", 16)
+          for k in jax.random.split(jax.random.key(1), 3)]  # fmt: skip
+    moved = n * (1 + 4) + n // 16 * 4
+    record("dequantize 1x16 -> f32, XLA jnp", jax.jit(dequantize), qs, moved)
+    record("dequantize 1x16 -> f32, Pallas", kq.dequantize_per_group, qs, moved)
+
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+    print(f"\n{args.rows}x{args.cols}, median of {args.iters}, {device}")
+    print("| kernel | ms | MB moved | GB/s |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['ms']:.3f} | {r['bytes'] / 1e6:.0f} | {r['GBps']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                       "shape": [args.rows, args.cols], "rows": rows}, f, indent=2)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""FP8 quantize / dequantize kernels: per group along the last axis, and per tensor in two stages.
+
+Pallas with the Triton backend (see docs/pallas-backends.md for why not Mosaic GPU for these
+memory-bound kernels): the same source runs on a Hopper GPU and, with ``interpret=True``, on
+the CPU. The specification is the jnp reference in :mod:`coat_jax.quant`; the kernels compute
+the same expressions in the same order, so FP8 codes and scales are bitwise equal to it.
+
+* :func:`quantize_per_group`: one pass; each block of ``(block_rows, block_cols)`` elements
+  is viewed as ``(block_rows, block_cols / g, g)``, reduced to the group maxima and scaled.
+* :func:`quantize_per_tensor`: COAT's "group scaling": a first kernel writes one partial
+  ``max |x|`` per block, a tiny reduction gives the tensor's ``amax``, a second kernel scales
+  and casts. (In a fused producer the first stage rides along the producing kernel.)
+* :func:`dequantize_per_group`: codes times ``amax / fmt.max`` per group.
+
+Shapes the kernels cannot take (a last axis that is not a multiple of the group size, a group
+size that is not a power of two) fall back to the reference without error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from coat_jax.formats import Fp8Format, get_format
+from coat_jax.quant import QuantizedArray, dequantize, quantize
+
+__all__ = [
+    "QuantizeTuning",
+    "dequantize_per_group",
+    "quantize_per_group",
+    "quantize_per_tensor",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeTuning:
+    """Tile and launch knobs (block dims must be powers of two for Triton)."""
+
+    block_rows: int = 32
+    block_cols: int = 512
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _pow2_divisor(n: int, limit: int) -> int:
+    """Largest power of two that divides ``n`` and is at most ``limit`` (at least 1)."""
+    b = 1
+    while b * 2 <= limit and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _blocks(rows: int, cols: int, group: int, tuning: QuantizeTuning) -> tuple[int, int] | None:
+    """``(block_rows, block_cols)`` for a ``(rows, cols)`` view, or ``None`` if unsupported."""
+    if group & (group - 1) or cols % group:
+        return None
+    block_cols = _pow2_divisor(cols, max(tuning.block_cols, group))
+    if block_cols < group:
+        return None
+    return _pow2_divisor(rows, tuning.block_rows), block_cols
+
+
+def _params(tuning: QuantizeTuning):
+    return pl_triton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+
+
+def _check(x, group_size):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if x.ndim == 0:
+        raise ValueError("per-group quantization needs an array with at least one axis")
+
+
+def _check_backend(interpret: bool) -> None:
+    if not interpret and jax.default_backend() != "gpu":
+        raise ValueError(
+            f"pallas_kernels.quantize compiles for a GPU, not {jax.default_backend()}; pass "
+            "interpret=True to run the kernels here, or use coat_jax.quantize"
+        )
+
+
+def _scale_and_cast(x, amax, fmt: Fp8Format):
+    factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
+    return jnp.clip(x * factor, -fmt.max, fmt.max).astype(fmt.dtype)
+
+
+def quantize_per_group(
+    x: jax.Array,
+    fmt: str | Fp8Format = "e4m3",
+    group_size: int = 16,
+    *,
+    tuning: QuantizeTuning = QuantizeTuning(),
+    interpret: bool = False,
+) -> QuantizedArray:
+    """Kernel twin of ``coat_jax.quantize(x, fmt, group_size=group_size)`` (bitwise equal)."""
+    fmt = get_format(fmt)
+    _check(x, group_size)
+    _check_backend(interpret)
+    cols = x.shape[-1]
+    rows = x.size // max(cols, 1)
+    blocks = _blocks(rows, cols, group_size, tuning) if x.size else None
+    if blocks is None:
+        return quantize(x, fmt, group_size=group_size)
+    br, bc = blocks
+    n_groups = cols // group_size
+    codes, amax = _quantize_groups_call(
+        x.reshape(rows, cols), fmt, group_size, br, bc, tuning, interpret
+    )
+    lead = x.shape[:-1]
+    return QuantizedArray(
+        codes.reshape(*lead, n_groups, group_size), amax.reshape(*lead, n_groups), None, cols
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _quantize_groups_call(x2, fmt, group, br, bc, tuning, interpret):
+    rows, cols = x2.shape
+
+    def kernel(x_ref, q_ref, amax_ref):
+        x = x_ref[...].astype(jnp.float32).reshape(br, bc // group, group)
+        amax = jnp.max(jnp.abs(x), axis=-1)
+        q_ref[...] = _scale_and_cast(x, amax[..., None], fmt).reshape(br, bc)
+        amax_ref[...] = amax
+
+    return pl.pallas_call(
+        kernel,
+        grid=(rows // br, cols // bc),
+        in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+        out_specs=[
+            pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+            pl.BlockSpec((br, bc // group), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+            jax.ShapeDtypeStruct((rows, cols // group), jnp.float32),
+        ],
+        compiler_params=_params(tuning),
+        interpret=interpret,
+    )(x2)
+
+
+def dequantize_per_group(
+    q: QuantizedArray,
+    dtype=jnp.float32,
+    *,
+    tuning: QuantizeTuning = QuantizeTuning(),
+    interpret: bool = False,
+) -> jax.Array:
+    """Kernel twin of ``coat_jax.dequantize(q, dtype)`` for plain per-group arrays."""
+    _check_backend(interpret)
+    if not q.per_group or q.expanded:
+        return dequantize(q, dtype)
+    group = q.data.shape[-1]
+    n_groups = q.data.shape[-2]
+    cols = n_groups * group
+    rows = q.data.size // max(cols, 1)
+    blocks = _blocks(rows, cols, group, tuning) if q.data.size else None
+    if blocks is None or cols != q.last_dim:
+        return dequantize(q, dtype)
+    br, bc = blocks
+    out = _dequantize_groups_call(
+        q.data.reshape(rows, cols), q.amax.reshape(rows, n_groups), q.fmt, group, br, bc,
+        jnp.dtype(dtype), tuning, interpret,
+    )  # fmt: skip
+    return out.reshape(*q.data.shape[:-2], cols)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _dequantize_groups_call(codes, amax, fmt, group, br, bc, dtype, tuning, interpret):
+    rows, cols = codes.shape
+
+    def kernel(q_ref, amax_ref, x_ref):
+        q = q_ref[...].astype(jnp.float32).reshape(br, bc // group, group)
+        x = (q / fmt.max) * amax_ref[...][..., None]
+        x_ref[...] = x.reshape(br, bc).astype(dtype)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(rows // br, cols // bc),
+        in_specs=[
+            pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+            pl.BlockSpec((br, bc // group), lambda i, j: (i, j)),
+        ],
+        out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), dtype),
+        compiler_params=_params(tuning),
+        interpret=interpret,
+    )(codes, amax)
+
+
+def quantize_per_tensor(
+    x: jax.Array,
+    fmt: str | Fp8Format = "e4m3",
+    *,
+    tuning: QuantizeTuning = QuantizeTuning(),
+    interpret: bool = False,
+) -> QuantizedArray:
+    """Kernel twin of ``coat_jax.quantize(x, fmt)`` (per tensor), in two stages."""
+    fmt = get_format(fmt)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+    _check_backend(interpret)
+    cols = x.shape[-1] if x.ndim else 1
+    rows = x.size // max(cols, 1)
+    blocks = _blocks(rows, cols, 1, tuning) if x.size else None
+    if blocks is None or blocks[1] < 16:
+        return quantize(x, fmt)
+    br, bc = blocks
+    x2 = x.reshape(rows, cols)
+    partial_max = _block_amax_call(x2, br, bc, tuning, interpret)
+    amax = jnp.max(partial_max)
+    codes = _scale_call(x2, amax.reshape(1, 1), fmt, br, bc, tuning, interpret)
+    return QuantizedArray(codes.reshape(x.shape), amax)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _block_amax_call(x2, br, bc, tuning, interpret):
+    rows, cols = x2.shape
+
+    def kernel(x_ref, m_ref):
+        m_ref[...] = jnp.max(jnp.abs(x_ref[...].astype(jnp.float32)), keepdims=True).reshape(1, 1)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(rows // br, cols // bc),
+        in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows // br, cols // bc), jnp.float32),
+        compiler_params=_params(tuning),
+        interpret=interpret,
+    )(x2)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _scale_call(x2, amax, fmt, br, bc, tuning, interpret):
+    rows, cols = x2.shape
+
+    def kernel(x_ref, amax_ref, q_ref):
+        q_ref[...] = _scale_and_cast(x_ref[...].astype(jnp.float32), amax_ref[0, 0], fmt)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(rows // br, cols // bc),
+        in_specs=[
+            pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+            pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+        compiler_params=_params(tuning),
+        interpret=interpret,
+    )(x2, amax)

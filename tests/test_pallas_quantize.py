@@ -1,0 +1,91 @@
+"""Pallas quantize kernels against the jnp reference: interpret mode on CPU, compiled on GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax.quant import dequantize, quantize
+from pallas_kernels import quantize as kq
+
+SHAPES = [(64, 512), (3, 5, 256), (1, 48), (96, 4096), (7, 160)]
+
+
+def fresh(shape, dtype=jnp.float32, spread=2.0):
+    key = jax.random.key(np.random.default_rng().integers(1 << 30))
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, shape) * jnp.exp(spread * jax.random.normal(k2, shape))
+    return x.at[..., :3].set(0.0).astype(dtype)  # include exact zeros and an all-zero group
+
+
+def assert_same_codes(got, want):
+    assert got.data.shape == want.data.shape and got.data.dtype == want.data.dtype
+    bits = lambda a: np.asarray(a).view(np.uint8)
+    np.testing.assert_array_equal(bits(got.data), bits(want.data))
+    np.testing.assert_array_equal(np.asarray(got.amax), np.asarray(want.amax))
+
+
+def run_modes():
+    modes = [True]
+    if jax.default_backend() == "gpu":
+        modes.append(False)
+    return modes
+
+
+@pytest.mark.parametrize("interpret", run_modes())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("fmt", "group"), [("e4m3", 16), ("e4m3", 128), ("e5m2", 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_per_group_codes_equal_reference(shape, fmt, group, dtype, interpret):
+    x = fresh(shape, dtype)
+    got = kq.quantize_per_group(x, fmt, group, interpret=interpret)
+    want = quantize(x, fmt, group_size=group)
+    assert_same_codes(got, want)
+    back = kq.dequantize_per_group(got, interpret=interpret)
+    np.testing.assert_allclose(back, dequantize(want), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("interpret", run_modes())
+@pytest.mark.parametrize("shape", [(64, 512), (2, 16, 256), (5, 160)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_per_tensor_two_stage_equals_reference(shape, fmt, interpret):
+    x = fresh(shape)
+    assert_same_codes(kq.quantize_per_tensor(x, fmt, interpret=interpret), quantize(x, fmt))
+
+
+def test_block_choice_and_fallbacks():
+    tuning = kq.QuantizeTuning(block_rows=32, block_cols=512)
+    assert kq._blocks(96, 4096, 16, tuning) == (32, 512)
+    assert kq._blocks(7, 160, 16, tuning) == (1, 32)
+    assert kq._blocks(8, 130, 16, tuning) is None  # ragged last axis
+    assert kq._blocks(8, 96, 24, tuning) is None  # group not a power of two
+    x = fresh((4, 130))
+    got = kq.quantize_per_group(x, "e4m3", 16, interpret=True)
+    assert_same_codes(got, quantize(x, "e4m3", group_size=16))
+
+
+def test_nan_is_never_hidden():
+    x = fresh((32, 512)).at[5, 7].set(jnp.nan)
+    q = kq.quantize_per_group(x, "e4m3", 16, interpret=True)
+    assert np.isnan(np.asarray(kq.dequantize_per_group(q, interpret=True))[5, :16]).any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (dict(group_size=0), ValueError),
+        (dict(group_size=2.0), ValueError),
+        (dict(fmt="x"), ValueError),
+    ],
+)
+def test_bad_input(kwargs, error):
+    with pytest.raises(error):
+        kq.quantize_per_group(jnp.ones((4, 32)), **{"fmt": "e4m3", "group_size": 16, **kwargs})
+    with pytest.raises(TypeError):
+        kq.quantize_per_group(jnp.ones((4, 32), jnp.int32), "e4m3", 16)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
+def test_compiled_mode_off_gpu_says_how_to_run():
+    with pytest.raises(ValueError, match="interpret=True"):
+        kq.quantize_per_group(jnp.ones((4, 32)), "e4m3", 16)
