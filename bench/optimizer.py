@@ -69,9 +69,18 @@ def main():
     n = sum(int(np.prod(s)) for s in leaves)
     optimizers = {
         "optax.adamw (fp32 m, v)": optax.adamw(1e-4),
-        "fp8_adamw (jnp, expansion)": coat_jax.fp8_adamw(1e-4),
-        "fp8_adamw (jnp, no expansion)": coat_jax.fp8_adamw(1e-4, expansion=False),
+        "fp8_adamw (jnp, expansion)": coat_jax.fp8_adamw(1e-4, kernels="reference"),
+        "fp8_adamw (jnp, no expansion)": coat_jax.fp8_adamw(
+            1e-4, expansion=False, kernels="reference"
+        ),
     }
+    if jax.default_backend() == "gpu":
+        optimizers["fp8_adamw (Pallas fused moments, expansion)"] = coat_jax.fp8_adamw(
+            1e-4, kernels="pallas"
+        )
+        optimizers["fp8_adamw (Pallas fused moments, no expansion)"] = coat_jax.fp8_adamw(
+            1e-4, expansion=False, kernels="pallas"
+        )
     rows = []
     for name, opt in optimizers.items():
         ms, state_bytes = time_optimizer(opt, make(0.02), grads, args.steps)

@@ -74,7 +74,7 @@ def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
     a = jnp.abs(x.astype(jnp.float32))
     amax = jnp.max(a, axis=axis)
     amin = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=axis)
-    amin = jnp.where(jnp.isinf(amin) & ~jnp.isinf(amax), 0.0, amin)
+    amin = jnp.where((amin == jnp.inf) & (amax != jnp.inf), 0.0, amin)  # kernel-friendly isinf
     return amax, amin
 
 

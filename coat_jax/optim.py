@@ -91,6 +91,24 @@ def _check_float_leaves(tree, what: str) -> None:
             )
 
 
+def _resolve_kernels(kernels: str):
+    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``."""
+    if kernels not in ("auto", "pallas", "reference", "interpret"):
+        raise ValueError(
+            f"kernels={kernels!r}: expected 'auto', 'pallas', 'reference' or 'interpret'"
+        )
+    on_hopper = jax.default_backend() == "gpu" and all(
+        getattr(d, "compute_capability", "0") >= "9.0" for d in jax.local_devices()
+    )
+    if kernels == "pallas" and not on_hopper:
+        raise ValueError("kernels='pallas' needs a Hopper GPU; use 'auto' or 'interpret'")
+    if kernels == "reference" or (kernels == "auto" and not on_hopper):
+        return None
+    from pallas_kernels import adam_step  # imported only when the kernel can run
+
+    return adam_step
+
+
 def scale_by_fp8_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -102,6 +120,7 @@ def scale_by_fp8_adam(
     nu_format: str | None = "e4m3",
     expansion: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
+    kernels: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales updates by Adam, keeping the moments in FP8.
 
@@ -128,6 +147,10 @@ def scale_by_fp8_adam(
       nu_format: the same for the second moment.
       expansion: apply COAT's dynamic range expansion to each group.
       min_size: parameters with fewer elements keep fp32 moments (static int).
+      kernels: ``"auto"`` (the fused Pallas kernel of ``pallas_kernels.adam_step`` on a Hopper
+        GPU, the jnp reference elsewhere), ``"pallas"`` (force the kernel; GPU only),
+        ``"reference"`` (force jnp) or ``"interpret"`` (the kernel in Pallas interpret mode, for
+        tests on CPU). Parameters whose layout the kernel does not take use the reference.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -144,6 +167,7 @@ def scale_by_fp8_adam(
         raise TypeError(f"expansion must be a bool, got {type(expansion).__name__}")
     _check_decay(b1, "b1")
     _check_decay(b2, "b2")
+    kernel = _resolve_kernels(kernels)
 
     def quantized(param, fmt) -> bool:
         return fmt is not None and param.ndim >= 1 and param.size >= min_size
@@ -179,6 +203,10 @@ def scale_by_fp8_adam(
         bc2 = 1 - jnp.asarray(b2, jnp.float32) ** count_inc
 
         def leaf(g, mu, nu):
+            if kernel is not None and kernel.supported(mu, nu):
+                hyper = jnp.stack([jnp.asarray(h, jnp.float32)
+                                   for h in (b1, b2, eps, eps_root, bc1, bc2)])  # fmt: skip
+                return kernel.fp8_adam_moments(g, mu, nu, hyper, interpret=kernels == "interpret")
             g32 = g.astype(jnp.float32)
             m = (1 - b1) * g32 + b1 * decode(mu)
             v = (1 - b2) * (g32 * g32) + b2 * decode(nu)
@@ -209,6 +237,7 @@ def fp8_adamw(
     nu_format: str | None = "e4m3",
     expansion: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
+    kernels: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdamW with FP8 moments (COAT): ``optax.adamw`` at about a quarter of its state memory.
 
@@ -226,7 +255,8 @@ def fp8_adamw(
       b1, b2, eps, eps_root: as in ``optax.adamw``.
       weight_decay: decoupled weight decay.
       mask: pytree of bools (or a callable returning one) selecting the decayed params.
-      group_size, mu_format, nu_format, expansion, min_size: see :func:`scale_by_fp8_adam`.
+      group_size, mu_format, nu_format, expansion, min_size, kernels: see
+        :func:`scale_by_fp8_adam`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -256,6 +286,7 @@ def fp8_adamw(
             nu_format=nu_format,
             expansion=expansion,
             min_size=min_size,
+            kernels=kernels,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

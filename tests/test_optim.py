@@ -253,3 +253,23 @@ def test_non_float_params_and_grads_fail_with_the_leaf_named():
     state = opt.init({"w": jnp.ones(3)})
     with pytest.raises(TypeError, match=r"gradient \['w'\] has dtype int32"):
         opt.update({"w": jnp.ones(3, jnp.int32)}, state, {"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("expansion", [True, False])
+def test_fused_kernel_path_matches_reference_path(expansion):
+    """The optimizer through the Pallas kernel (interpret mode here) equals the jnp path."""
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 512)), "odd": jnp.ones((4, 130))}
+    kw = dict(learning_rate=1e-2, min_size=0, expansion=expansion)
+    fused, ref = (coat_jax.fp8_adamw(**kw, kernels=k) for k in ("interpret", "reference"))
+    _, state_a, hist_a = run(fused, params, steps=3)
+    _, state_b, hist_b = run(ref, params, steps=3)
+    chex.assert_trees_all_close(hist_a, hist_b, rtol=1e-4, atol=1e-7)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state_a, state_b)
+
+
+def test_kernels_option_is_checked():
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        coat_jax.fp8_adamw(1e-3, kernels="triton")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs a Hopper GPU"):
+            coat_jax.fp8_adamw(1e-3, kernels="pallas")
