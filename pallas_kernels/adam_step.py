@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as pl_triton
 from coat_jax import expansion
 from coat_jax.formats import Fp8Format, saturating_cast
 from coat_jax.quant import QuantizedArray
+from pallas_kernels.tiling import block_shape
 
 __all__ = ["AdamStepTuning", "fp8_adam_moments", "supported"]
 
@@ -44,23 +45,15 @@ class AdamStepTuning:
     num_stages: int = 1
 
 
-def _pow2_divisor(n: int, limit: int) -> int:
-    b = 1
-    while b * 2 <= limit and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
 def _blocks(mu: QuantizedArray, tuning: AdamStepTuning):
+    """``(rows, cols, group, block_rows, block_cols)`` of a moment's 2-D view, or ``None``."""
     group = mu.data.shape[-1]
     cols = mu.data.shape[-2] * group
     rows = mu.data.size // max(cols, 1)
-    if group & (group - 1) or cols != mu.last_dim or mu.data.size == 0:
+    if cols != mu.last_dim or mu.data.size == 0:
         return None
-    block_cols = _pow2_divisor(cols, max(tuning.block_cols, group))
-    if block_cols < group:
-        return None
-    return rows, cols, group, _pow2_divisor(rows, tuning.block_rows), block_cols
+    blocks = block_shape(rows, cols, group, tuning.block_rows, tuning.block_cols)
+    return None if blocks is None else (rows, cols, group, *blocks)
 
 
 def supported(mu, nu, tuning: AdamStepTuning = AdamStepTuning()) -> bool:

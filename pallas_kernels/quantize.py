@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax.formats import Fp8Format, get_format
 from coat_jax.quant import QuantizedArray, dequantize, quantize
+from pallas_kernels.tiling import block_shape
 
 __all__ = [
     "QuantizeTuning",
@@ -47,22 +48,9 @@ class QuantizeTuning:
     num_stages: int = 1
 
 
-def _pow2_divisor(n: int, limit: int) -> int:
-    """Largest power of two that divides ``n`` and is at most ``limit`` (at least 1)."""
-    b = 1
-    while b * 2 <= limit and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
 def _blocks(rows: int, cols: int, group: int, tuning: QuantizeTuning) -> tuple[int, int] | None:
     """``(block_rows, block_cols)`` for a ``(rows, cols)`` view, or ``None`` if unsupported."""
-    if group & (group - 1) or cols % group:
-        return None
-    block_cols = _pow2_divisor(cols, max(tuning.block_cols, group))
-    if block_cols < group:
-        return None
-    return _pow2_divisor(rows, tuning.block_rows), block_cols
+    return block_shape(rows, cols, group, tuning.block_rows, tuning.block_cols)
 
 
 def _params(tuning: QuantizeTuning):
