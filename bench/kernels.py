@@ -2,9 +2,11 @@
 
   python bench/kernels.py [--rows 8192 --cols 8192] [--json out.json]
 
-For each kernel: median ms over --iters launches (inputs rotated over 3 buffers), the bytes it
-must move (each input read once, each output written once; the standalone two-stage per-tensor
-quantize reads its input twice) and the achieved GB/s, next to a device copy (read + write).
+For each kernel: the median over --iters samples of the mean time of --inner back-to-back
+launches (dispatch is asynchronous, so launch latency overlaps the previous launch; inputs
+rotate over 3 buffers), the bytes it must move (each input read once, each output written
+once; the standalone two-stage per-tensor quantize reads its input twice) and the achieved
+GB/s, next to a device copy (read + write).
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from coat_jax.quant import dequantize, quantize
 from pallas_kernels import quantize as kq
 
 
-def median_ms(fn, inputs, iters: int) -> float:
+def median_ms(fn, inputs, iters: int, inner: int) -> float:
     jax.block_until_ready(fn(inputs[0]))
     times = []
-    for i in range(iters):
-        x = inputs[i % len(inputs)]
+    for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append((time.perf_counter() - start) * 1e3)
+        outs = [fn(inputs[j % len(inputs)]) for j in range(inner)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) * 1e3 / inner)
     return float(np.median(times))
 
 
@@ -37,14 +39,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=8192)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--inner", type=int, default=10, help="launches per timed sample")
     parser.add_argument("--json")
     args = parser.parse_args()
     n = args.rows * args.cols
     rows = []
 
     def record(name, fn, inputs, nbytes):
-        ms = median_ms(fn, inputs, args.iters)
+        ms = median_ms(fn, inputs, args.iters, args.inner)
         rows.append({"kernel": name, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6})
 
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -70,14 +73,15 @@ def main():
     record("dequantize 1x16 -> f32, Pallas", kq.dequantize_per_group, qs, moved)
 
     device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
-    print(f"\n{args.rows}x{args.cols}, median of {args.iters}, {device}")
+    print(f"\n{args.rows}x{args.cols}, median of {args.iters} x {args.inner} launches, {device}")
     print("| kernel | ms | MB moved | GB/s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['kernel']} | {r['ms']:.3f} | {r['bytes'] / 1e6:.0f} | {r['GBps']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "device": device,
-                       "shape": [args.rows, args.cols], "rows": rows}, f, indent=2)  # fmt: skip
+                       "shape": [args.rows, args.cols], "iters": args.iters,
+                       "inner": args.inner, "rows": rows}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":
