@@ -119,7 +119,7 @@ def to_groups(x: jax.Array, group_size: int) -> jax.Array:
 def from_groups(x: jax.Array, last_dim: int) -> jax.Array:
     """Inverse of :func:`to_groups`."""
     flat = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
-    return flat[..., :last_dim]
+    return flat if flat.shape[-1] == last_dim else flat[..., :last_dim]
 
 
 def _check_group_size(group_size) -> int:

@@ -1,0 +1,99 @@
+"""Meshes, logical axis rules, and partition specs for parameters AND the FP8 optimizer state.
+
+Parameters carry logical axis names (``coat_jax.nn``: metadata ``logical_axes``); one rule
+table maps them to mesh axes ``("data", "fsdp", "tensor")``. The FP8 optimizer state keeps each
+parameter's leading shape with groups along the last axis, so its specs follow from the
+parameter's: codes ``(*lead, n_groups, size)`` get ``P(*lead_spec, last_spec, None)`` and the
+per-group ``amax`` / ``k`` get ``P(*lead_spec, last_spec)``. Every state shard then sits on the
+device that holds the matching parameter and gradient shard: the update needs no communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from coat_jax.quant import QuantizedArray
+
+__all__ = ["MESH_AXES", "RULES", "make_mesh", "optimizer_specs", "param_specs", "shardings"]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+RULES = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+}
+"""Logical axis name -> mesh axis (or axes)."""
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh; one size may be -1 (the rest of the devices)."""
+    devices = np.asarray(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=True))}: "
+                         "positive, with at most one -1")  # fmt: skip
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if devices.size % known:
+            raise ValueError(f"{devices.size} devices do not divide into mesh sizes {sizes}")
+        sizes[sizes.index(-1)] = devices.size // known
+    if math.prod(sizes) != devices.size:
+        raise ValueError(f"mesh {sizes} needs {math.prod(sizes)} devices, have {devices.size}")
+    return Mesh(devices.reshape(sizes), MESH_AXES)
+
+
+def _fits(mesh: Mesh, axis, size: int):
+    """``axis`` if ``size`` divides evenly over it, else ``None`` (replicated)."""
+    if axis is None:
+        return None
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return axis if size % math.prod(mesh.shape[n] for n in names) == 0 else None
+
+
+def param_specs(mesh: Mesh, params: nnx.State, rules=RULES):
+    """A tree like ``params`` of ``PartitionSpec`` from each Param's ``logical_axes``."""
+
+    def spec(variable):
+        axes = variable.get_metadata().get("logical_axes") or (None,) * variable.ndim
+        dims = zip(axes, variable.shape, strict=True)
+        return variable.replace(P(*(_fits(mesh, rules.get(a), n) for a, n in dims)))
+
+    return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def optimizer_specs(mesh: Mesh, optimizer, opt_state, specs):
+    """Specs for ``opt_state`` from the parameters' ``specs`` (see module docstring)."""
+
+    def follow(leaf, spec):
+        if not isinstance(leaf, QuantizedArray):
+            return spec if getattr(leaf, "ndim", 0) == len(spec) else P()
+        lead = tuple(spec)[:-1]
+        last = _fits(mesh, spec[-1], leaf.amax.shape[-1])
+        per_group = P(*lead, last)
+        return QuantizedArray(
+            P(*lead, last, None), per_group, None if leaf.k is None else per_group, leaf.last_dim
+        )
+
+    return optax.tree_utils.tree_map_params(
+        optimizer,
+        follow,
+        opt_state,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, QuantizedArray),
+    )
+
+
+def shardings(mesh: Mesh, specs):
+    """``NamedSharding`` for every ``PartitionSpec`` in ``specs``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
