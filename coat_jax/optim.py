@@ -207,8 +207,8 @@ def scale_by_fp8_adam(
 
         def leaf(g, mu, nu):
             if kernel is not None and kernel.supported(mu, nu):
-                hyper = jnp.stack([jnp.asarray(h, jnp.float32)
-                                   for h in (b1, b2, eps, eps_root, bc1, bc2)])  # fmt: skip
+                terms = (b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2)
+                hyper = jnp.stack([jnp.asarray(h, jnp.float32) for h in terms])
                 return kernel.fp8_adam_moments(g, mu, nu, hyper, interpret=kernels == "interpret")
             g32 = g.astype(jnp.float32)
             m = (1 - b1) * g32 + b1 * decode(mu)

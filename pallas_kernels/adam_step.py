@@ -103,7 +103,8 @@ def fp8_adam_moments(
     Args:
       g: gradient, the parameter's shape (any float dtype; ``u`` comes back in it).
       mu, nu: per-group FP8 moments laid out as ``scale_by_fp8_adam`` keeps them.
-      hyper: fp32 ``[b1, b2, eps, eps_root, 1 - b1^t, 1 - b2^t]``.
+      hyper: fp32 ``[b1, 1 - b1, b2, 1 - b2, eps, eps_root, 1 - b1^t, 1 - b2^t]`` (``1 - b``
+        computed by the caller, as the reference rounds it).
 
     Returns:
       ``(u, new_mu, new_nu)``.
@@ -115,7 +116,7 @@ def fp8_adam_moments(
     n_groups = cols // group
     flat = lambda a: a.reshape(rows, -1)
     k_args = (flat(mu.k), flat(nu.k)) if expanded else ()
-    hyper = jnp.zeros((1, 8), jnp.float32).at[0, :6].set(jnp.asarray(hyper, jnp.float32))
+    hyper = jnp.asarray(hyper, jnp.float32).reshape(1, 8)
     outs = _call(
         flat(g), flat(mu.data), flat(mu.amax), flat(nu.data), flat(nu.amax), hyper, *k_args,
         static=(mu.fmt, nu.fmt, expanded, group, br, bc, tuning, interpret),
@@ -148,14 +149,16 @@ def _call(g, m_codes, m_amax, v_codes, v_amax, hyper, *ks, static):
         ins, outs = refs[:n_in], refs[n_in:]
         g_ref, mq_ref, ma_ref, vq_ref, va_ref, h_ref = ins[:6]
         mk_ref, vk_ref = (ins[6], ins[7]) if expanded else (None, None)
-        b1, b2, eps, eps_root, bc1, bc2 = (h_ref[0, i] for i in range(6))
+        b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2 = (
+            h_ref[0, i] for i in range(8)
+        )
         grad = g_ref[...].astype(jnp.float32).reshape(shape3)
         m = _decode(mq_ref[...].reshape(shape3), ma_ref[...],
                     mk_ref[...] if expanded else None, mu_fmt, expanded)  # fmt: skip
         v = _decode(vq_ref[...].reshape(shape3), va_ref[...],
                     vk_ref[...] if expanded else None, nu_fmt, expanded)  # fmt: skip
-        m = (1 - b1) * grad + b1 * m
-        v = (1 - b2) * (grad * grad) + b2 * v
+        m = one_minus_b1 * grad + b1 * m
+        v = one_minus_b2 * (grad * grad) + b2 * v
         u = (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
         outs[0][...] = u.reshape(br, bc).astype(outs[0].dtype)
         for (codes, amax, k), base in ((_encode(m, mu_fmt, expanded), 1),
