@@ -37,7 +37,9 @@ from coat_jax.formats import Fp8Format, get_format, saturating_cast
 
 __all__ = [
     "QuantizedArray",
+    "decode",
     "dequantize",
+    "encode",
     "from_groups",
     "group_layout",
     "quantize",
@@ -172,37 +174,48 @@ def quantize(
             raise ValueError("per-group quantization needs an array with at least one axis")
         last_dim = x.shape[-1]
         x = to_groups(x, group_size)
-    axes = -1 if group_size is not None else tuple(range(x.ndim))
-    bcast = (..., None) if group_size is not None else ()
-    x = x.astype(jnp.float32)
     if amax is not None and expand:
         raise ValueError("quantize: a given amax is only supported without expansion")
+    codes, amax, k_code = encode(x, fmt, expand, per_group=group_size is not None, amax=amax)
+    return QuantizedArray(codes, amax, k_code, last_dim)
+
+
+def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None):
+    """The scaling math of :func:`quantize` on an array already laid out in groups.
+
+    With ``per_group`` the groups run along the last axis, else the whole array is one group.
+    Returns ``(codes, amax, k code or None)``. The Pallas kernels call this on their tiles, so
+    kernel and reference cannot drift apart.
+    """
+    axes = -1 if per_group else tuple(range(x.ndim))
+    bcast = (..., None) if per_group else ()
+    x = x.astype(jnp.float32)
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
         k = expansion.expansion_exponent(amax, amin, fmt)
         scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt)
-        k_code = expansion.encode_k(k)
-    else:
-        if amax is None:
-            amax = jnp.max(jnp.abs(x), axis=axes)
-        amax = jnp.asarray(amax, jnp.float32)
-        # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
-        # into a product with its reciprocal, which flushes to zero for amax > 2^126.
-        factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
-        scaled = x * factor[bcast]
-        k_code = None
-    return QuantizedArray(saturating_cast(scaled, fmt), amax, k_code, last_dim)
+        return saturating_cast(scaled, fmt), amax, expansion.encode_k(k)
+    if amax is None:
+        amax = jnp.max(jnp.abs(x), axis=axes)
+    amax = jnp.asarray(amax, jnp.float32)
+    # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
+    # into a product with its reciprocal, which flushes to zero for amax > 2^126.
+    factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
+    return saturating_cast(x * factor[bcast], fmt), amax, None
+
+
+def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True):
+    """The inverse math of :func:`encode` (fp32), on codes laid out in groups."""
+    codes = codes.astype(jnp.float32)
+    bcast = (..., None) if per_group else ()
+    if k is not None:
+        return expansion.expanded_decode(codes, amax[bcast], expansion.decode_k(k)[bcast], fmt)
+    return (codes / fmt.max) * amax[bcast]
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     """Returns the array ``q`` represents, in ``dtype`` (math in fp32)."""
-    codes = q.data.astype(jnp.float32)
-    bcast = (..., None) if q.per_group else ()
-    amax = q.amax[bcast]
-    if q.expanded:
-        x = expansion.expanded_decode(codes, amax, expansion.decode_k(q.k)[bcast], q.fmt)
-    else:
-        x = (codes / q.fmt.max) * amax
+    x = decode(q.data, q.amax, q.k, q.fmt, per_group=q.per_group)
     if q.per_group:
         x = from_groups(x, q.last_dim)
     return x.astype(dtype)

@@ -12,7 +12,8 @@ FP8 moments. For each group of ``g`` elements along the last axis:
   m_hat', v_hat' = Q(m'), Q(v')                     (new amax, k per group)
 
 Bytes per parameter: g 4 + u 4 + moments 2 x 2 x 1.04 = 12.2 (fp32 Adam's moment step: 20).
-The per-group math is the reference's own (``coat_jax.expansion``), traced inside the kernel,
+The per-group math is the reference's own (``coat_jax.quant.encode`` / ``decode``), traced in
+the kernel,
 so the kernel and the jnp path cannot drift apart; they agree to fp32 rounding of the
 transcendentals (tested). Pallas Triton backend; ``interpret=True`` runs it on the CPU.
 """
@@ -27,9 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from coat_jax import expansion
-from coat_jax.formats import Fp8Format, saturating_cast
-from coat_jax.quant import QuantizedArray
+from coat_jax.quant import QuantizedArray, decode, encode
 from pallas_kernels.tiling import block_shape
 
 __all__ = ["AdamStepTuning", "fp8_adam_moments", "supported"]
@@ -67,26 +66,6 @@ def supported(mu, nu, tuning: AdamStepTuning = AdamStepTuning()) -> bool:
         and mu.data.shape == nu.data.shape
         and _blocks(mu, tuning) is not None
     )
-
-
-def _decode(codes, amax, k, fmt: Fp8Format, expanded: bool):
-    codes = codes.astype(jnp.float32)
-    if expanded:
-        return expansion.expanded_decode(
-            codes, amax[..., None], expansion.decode_k(k)[..., None], fmt
-        )
-    return (codes / fmt.max) * amax[..., None]
-
-
-def _encode(x, fmt: Fp8Format, expanded: bool):
-    if expanded:
-        amax, amin = expansion.group_range(x)
-        k = expansion.expansion_exponent(amax, amin, fmt)
-        scaled = expansion.expanded_encode(x, amax[..., None], k[..., None], fmt)
-        return saturating_cast(scaled, fmt), amax, expansion.encode_k(k)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
-    return saturating_cast(x * factor[..., None], fmt), amax, None
 
 
 def fp8_adam_moments(
@@ -153,16 +132,16 @@ def _call(g, m_codes, m_amax, v_codes, v_amax, hyper, *ks, static):
             h_ref[0, i] for i in range(8)
         )
         grad = g_ref[...].astype(jnp.float32).reshape(shape3)
-        m = _decode(mq_ref[...].reshape(shape3), ma_ref[...],
-                    mk_ref[...] if expanded else None, mu_fmt, expanded)  # fmt: skip
-        v = _decode(vq_ref[...].reshape(shape3), va_ref[...],
-                    vk_ref[...] if expanded else None, nu_fmt, expanded)  # fmt: skip
+        m = decode(mq_ref[...].reshape(shape3), ma_ref[...],
+                   mk_ref[...] if expanded else None, mu_fmt)  # fmt: skip
+        v = decode(vq_ref[...].reshape(shape3), va_ref[...],
+                   vk_ref[...] if expanded else None, nu_fmt)  # fmt: skip
         m = one_minus_b1 * grad + b1 * m
         v = one_minus_b2 * (grad * grad) + b2 * v
         u = (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
         outs[0][...] = u.reshape(br, bc).astype(outs[0].dtype)
-        for (codes, amax, k), base in ((_encode(m, mu_fmt, expanded), 1),
-                                       (_encode(v, nu_fmt, expanded), 3)):  # fmt: skip
+        for (codes, amax, k), base in ((encode(m, mu_fmt, expanded), 1),
+                                       (encode(v, nu_fmt, expanded), 3)):  # fmt: skip
             outs[base][...] = codes.reshape(br, bc)
             outs[base + 1][...] = amax
             if expanded:

@@ -2,8 +2,8 @@
 
 Pallas with the Triton backend (see docs/pallas-backends.md for why not Mosaic GPU for these
 memory-bound kernels): the same source runs on a Hopper GPU and, with ``interpret=True``, on
-the CPU. The specification is the jnp reference in :mod:`coat_jax.quant`; the kernels compute
-the same expressions in the same order, so FP8 codes and scales are bitwise equal to it.
+the CPU. The specification is the jnp reference in :mod:`coat_jax.quant`; the kernels trace its
+own ``encode`` / ``decode`` on their tiles, so FP8 codes and scales are bitwise equal to it.
 
 * :func:`quantize_per_group`: one pass; each block of ``(block_rows, block_cols)`` elements
   is viewed as ``(block_rows, block_cols / g, g)``, reduced to the group maxima and scaled.
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax.formats import Fp8Format, get_format
-from coat_jax.quant import QuantizedArray, dequantize, quantize
+from coat_jax.quant import QuantizedArray, decode, dequantize, encode, quantize
 from pallas_kernels.tiling import block_shape
 
 __all__ = [
@@ -74,11 +74,6 @@ def _check_backend(interpret: bool) -> None:
         )
 
 
-def _scale_and_cast(x, amax, fmt: Fp8Format):
-    factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
-    return jnp.clip(x * factor, -fmt.max, fmt.max).astype(fmt.dtype)
-
-
 def quantize_per_group(
     x: jax.Array,
     fmt: str | Fp8Format = "e4m3",
@@ -112,9 +107,8 @@ def _quantize_groups_call(x2, fmt, group, br, bc, tuning, interpret):
     rows, cols = x2.shape
 
     def kernel(x_ref, q_ref, amax_ref):
-        x = x_ref[...].astype(jnp.float32).reshape(br, bc // group, group)
-        amax = jnp.max(jnp.abs(x), axis=-1)
-        q_ref[...] = _scale_and_cast(x, amax[..., None], fmt).reshape(br, bc)
+        codes, amax, _ = encode(x_ref[...].reshape(br, bc // group, group), fmt, False)
+        q_ref[...] = codes.reshape(br, bc)
         amax_ref[...] = amax
 
     return pl.pallas_call(
@@ -165,8 +159,7 @@ def _dequantize_groups_call(codes, amax, fmt, group, br, bc, dtype, tuning, inte
     rows, cols = codes.shape
 
     def kernel(q_ref, amax_ref, x_ref):
-        q = q_ref[...].astype(jnp.float32).reshape(br, bc // group, group)
-        x = (q / fmt.max) * amax_ref[...][..., None]
+        x = decode(q_ref[...].reshape(br, bc // group, group), amax_ref[...], None, fmt)
         x_ref[...] = x.reshape(br, bc).astype(dtype)
 
     return pl.pallas_call(
@@ -231,7 +224,7 @@ def _scale_call(x2, amax, fmt, br, bc, tuning, interpret):
     rows, cols = x2.shape
 
     def kernel(x_ref, amax_ref, q_ref):
-        q_ref[...] = _scale_and_cast(x_ref[...].astype(jnp.float32), amax_ref[0, 0], fmt)
+        q_ref[...] = encode(x_ref[...], fmt, False, per_group=False, amax=amax_ref[0, 0])[0]
 
     return pl.pallas_call(
         kernel,
