@@ -163,7 +163,8 @@ def main(argv):
             window_start, window_steps = time.perf_counter(), 0
         if bar:
             bar.update(1)
-        if done % config.checkpoint_interval == 0 or done == config.steps:
+        interval = config.checkpoint_interval
+        if interval and (done % interval == 0 or done == config.steps):
             ckpt.save(done, params, opt_state, {"seed": config.seed, "data_position": done})
     if bar:
         bar.close()

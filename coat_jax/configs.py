@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.log_interval = 25
     c.eval_interval = 100
     c.eval_batches = 4
-    c.checkpoint_interval = 100
+    c.checkpoint_interval = 100  # also saved at the last step; 0 = never save
     c.keep_checkpoints = 3
     c.resume = False
     c.workdir = "runs/llama"
@@ -100,8 +100,11 @@ def _get(c, key):
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key."""
     for key in ("batch_size", "seq_len", "grad_accum", "steps", "log_interval", "eval_interval",
-                "eval_batches", "checkpoint_interval", "keep_checkpoints"):  # fmt: skip
+                "eval_batches", "keep_checkpoints"):  # fmt: skip
         _positive_int(c, key)
+    ci = c.checkpoint_interval
+    if isinstance(ci, bool) or not isinstance(ci, int) or ci < 0:
+        raise ValueError(f"config.checkpoint_interval must be an int >= 0 (0 = never), got {ci!r}")
     if c.batch_size % c.grad_accum:
         raise ValueError(
             f"config.batch_size={c.batch_size} must be a multiple of "
