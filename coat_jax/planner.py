@@ -68,9 +68,13 @@ def memory_plan(train_step, graph, params, opt_state, batch, model_config: Llama
     # Working set of one layer's backward, fp32: the attention scores, probabilities and their
     # gradient where attention is not a fused flash kernel, and the MLP's gate/up/hidden.
     plan["workspace_estimate"] = layer_workspace(model_config, micro, tokens - 1)
-    # Temporaries: the fp32 gradient accumulator and one micro-batch's gradients, its saved
-    # activations, its logits (+ their gradient) and one layer's backward working set.
-    plan["temp_estimate"] = 2 * grad_bytes + activations + 2 * logits + plan["workspace_estimate"]
+    # Temporaries. Backward frees a layer's saved activations as it produces that layer's
+    # gradients, so one micro-batch peaks at max(activations + logits and their gradient,
+    # gradients), plus one layer's working set; with grad_accum > 1 the fp32 accumulator
+    # lives through the whole step on top.
+    accumulator = grad_bytes if accum > 1 else 0
+    backward = max(activations + 2 * logits, grad_bytes)
+    plan["temp_estimate"] = accumulator + backward + plan["workspace_estimate"]
     plan["analytic_total"] = param_bytes + plan["optimizer_state"] + plan["temp_estimate"]
     stats = jax.devices()[0].memory_stats() or {}
     plan["device_limit"] = int(stats["bytes_limit"]) if "bytes_limit" in stats else None
@@ -95,7 +99,8 @@ def format_plan(plan: dict) -> str:
     limit = plan["device_limit"]
     if limit:
         verdict = "fits" if plan["compiled_total"] <= limit else "does NOT fit"
-        lines.append(f"  {'device memory':36s}{gb(limit)}  -> {verdict}")
+        lines.append(f"  {'device memory (allocator limit)':36s}{gb(limit)}  -> {verdict}")
+        lines.append("  (the limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU, 0.75 by default)")
     else:
         lines.append("  device memory: unknown on this backend (host RAM)")
     return "\n".join(lines)
