@@ -4,8 +4,11 @@
   python train.py --config configs/llama.py --config.steps=1000 --config.precision=bf16
   python train.py --config configs/llama2_7b.py --dry_run        # memory plan, nothing runs
   python train.py --config configs/llama.py --config.resume=True # continue from the latest
+  python train.py --config configs/llama2_7b.py --config.mesh.fsdp=-1 --config.mesh.data=1
 
-Writes to ``config.workdir``: checkpoints/, metrics.jsonl, loss.png, config.json.
+Writes to ``config.workdir``: checkpoints/, metrics.jsonl, loss.png, config.json. Runs on every
+visible device (``config.mesh``); started as one of several processes (``JAX_COORDINATOR_ADDRESS``
++ ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``, or SLURM / Open MPI) it joins them first.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from coat_jax import configs, data, planner, train_loop
+from coat_jax import configs, data, parallel, planner, sharding, train_loop
 from coat_jax.checkpoint import Checkpointer
 from coat_jax.models.llama import Llama
 
@@ -31,12 +34,19 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py", "Trainin
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print a memory plan, exit.")
 
 
+def is_main() -> bool:
+    """Whether this is the process (of one or many) that logs, writes metrics and plots."""
+    return jax.process_index() == 0
+
+
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    if is_main():
+        print(msg, flush=True)
 
 
-def build(config, abstract: bool = False):
-    """Tokenizer, model (``abstract``: shapes only, nothing allocated) and optimizer."""
+def build(config):
+    """Tokenizer, model config, abstract parameters (nothing allocated), their creator, the
+    optimizer and its schedule, and where all of it lives on the device mesh."""
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -44,28 +54,46 @@ def build(config, abstract: bool = False):
             f"tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
     model_config = configs.llama_config(config)
-    make = lambda: Llama(model_config, rngs=nnx.Rngs(config.seed))
-    graph, params = nnx.split(nnx.eval_shape(make) if abstract else make())
+    create = lambda: nnx.split(Llama(model_config, rngs=nnx.Rngs(config.seed)))[1]
+    graph, params = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
     optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
-    return tokenizer, model_config, graph, params, optimizer, schedule
+    try:
+        mesh = sharding.make_mesh(**config.mesh)
+    except ValueError as e:
+        raise ValueError(f"config.mesh: {e}") from None
+    placement = parallel.make_placement(mesh, params, optimizer)
+    micro = config.batch_size // config.grad_accum
+    if micro % placement.batch_shards:
+        raise ValueError(
+            f"config.batch_size / grad_accum = {micro} examples per micro-batch must divide "
+            f"over mesh data x fsdp = {placement.batch_shards} devices"
+        )
+    return tokenizer, model_config, graph, params, create, optimizer, schedule, placement
 
 
-def dry_run(config, model_config, graph, params, optimizer) -> None:
+def dry_run(config, model_config, graph, params, optimizer, placement) -> None:
     opt_state = jax.eval_shape(optimizer.init, params)
     micro = config.batch_size // config.grad_accum
     batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
-    step = train_loop.make_train_step(graph, optimizer)
-    plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config)
+    step = train_loop.make_train_step(graph, optimizer, placement)
+    plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config, placement)
     run = f"{config.precision}, {config.optimizer.name}, batch {config.batch_size} x seq "
-    log(f"Memory plan ({run}{config.seq_len}, grad_accum {config.grad_accum}) on "
-        f"{jax.devices()[0].device_kind}:")  # fmt: skip
+    mesh = ", ".join(f"{k} {v}" for k, v in placement.mesh.shape.items())
+    log(f"Memory plan per device ({run}{config.seq_len}, grad_accum {config.grad_accum}, "
+        f"mesh {mesh}) on {jax.devices()[0].device_kind}:")  # fmt: skip
     log(planner.format_plan(plan))
-    with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
-        json.dump(plan, f, indent=2)
+    if is_main():
+        with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
+            json.dump(plan, f, indent=2)
 
 
-def evaluate(eval_step, params, sampler, batches: int) -> float:
-    return float(np.mean([eval_step(params, sampler.batch(i, "eval")) for i in range(batches)]))
+def evaluate(eval_step, params, sampler, batches: int, placement) -> float:
+    shape = (sampler.batch_size, sampler.seq_len + 1)
+    losses = []
+    for i in range(batches):
+        rows = lambda r, i=i: sampler.batch(i, "eval", rows=r)
+        losses.append(eval_step(params, parallel.sharded_batch(rows, shape, placement.eval_batch)))
+    return float(np.mean(losses))
 
 
 def main(argv):
@@ -74,17 +102,26 @@ def main(argv):
     config = _CONFIG.value
     try:
         configs.validate(config)
-        tokenizer, model_config, graph, params, optimizer, schedule = build(config, _DRY_RUN.value)
+        tokenizer, model_config, graph, params, create, optimizer, schedule, placement = build(
+            config
+        )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: {e}")
     os.makedirs(config.workdir, exist_ok=True)
     n_params = model_config.num_params()
     log(f"Llama {n_params / 1e6:.2f}M params, precision={config.precision}, "
-        f"optimizer={config.optimizer.name}, devices={jax.devices()}")  # fmt: skip
-    if _DRY_RUN.value:
-        dry_run(config, model_config, graph, params, optimizer)
-        return
+        f"optimizer={config.optimizer.name}, {jax.device_count()} devices "
+        f"({jax.process_count()} processes), mesh {dict(placement.mesh.shape)}")  # fmt: skip
+    with jax.set_mesh(placement.mesh):
+        if _DRY_RUN.value:
+            dry_run(config, model_config, graph, params, optimizer, placement)
+        else:
+            train(config, model_config, graph, params, create, optimizer, schedule, placement,
+                  tokenizer)  # fmt: skip
 
+
+def train(config, model_config, graph, params, create, optimizer, schedule, placement, tokenizer):
+    """The training loop; ``params`` are abstract (shapes) until created or restored."""
     try:
         tokens = data.load_tokens(config.data.source, tokenizer, config.data.text_key)
         sampler = data.BatchSampler(
@@ -92,9 +129,8 @@ def main(argv):
         )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: config.data: {e}")
-    opt_state = optimizer.init(params)
-    train_step = train_loop.make_train_step(graph, optimizer)
-    eval_step = train_loop.make_eval_step(graph)
+    train_step = train_loop.make_train_step(graph, optimizer, placement)
+    eval_step = train_loop.make_eval_step(graph, placement)
     ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
     metrics = train_loop.MetricsWriter(config.workdir)
 
@@ -104,32 +140,40 @@ def main(argv):
             f"train.py: {ckpt.directory} already holds checkpoints (latest step {latest}); pass "
             "--config.resume=True to continue that run or choose another --config.workdir"
         )
-    if latest is not None:
+    if latest is None:
+        params = placement.init_params(create)
+        opt_state = placement.init_opt_state(optimizer, params)
+        if is_main() and os.path.exists(metrics.path):
+            os.remove(metrics.path)  # no checkpoint: these metrics belong to nothing resumable
+    else:  # restored straight into this run's shards, whatever mesh saved them
+        opt_state = jax.eval_shape(optimizer.init, params)
+        params, opt_state = placement.abstract(params, opt_state)
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         start_step = meta["step"]
         if meta.get("seed") != config.seed:
             sys.exit(f"train.py: config.seed={config.seed} differs from the checkpoint's {meta}")
-        kept = [r for r in metrics.read() if r["step"] <= start_step]
-        with open(metrics.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        if is_main():
+            kept = [r for r in metrics.read() if r["step"] <= start_step]
+            with open(metrics.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         log(f"Resumed from step {start_step} ({ckpt.directory})")
-    elif os.path.exists(metrics.path):
-        os.remove(metrics.path)  # no checkpoint: these metrics belong to nothing resumable
-    with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if is_main():
+        with open(os.path.join(config.workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
 
-    micro = config.batch_size // config.grad_accum
+    batch_shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
     tokens_per_step = config.batch_size * config.seq_len
     flops = train_loop.flops_per_token(model_config, config.seq_len) * tokens_per_step
     peak = train_loop.peak_flops(config.peak_tflops)
     bar = None
-    if config.progress:
+    if config.progress and is_main():
         from tqdm import tqdm
 
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, config.steps):
-        batch = sampler.batch(step).reshape(config.grad_accum, micro, config.seq_len + 1)
+        rows = lambda r, step=step: sampler.batch(step, rows=r)
+        batch = parallel.sharded_batch(rows, batch_shape, placement.batch)
         params, opt_state, m = train_step(params, opt_state, batch)
         window_steps += 1
         done = step + 1
@@ -142,14 +186,18 @@ def main(argv):
             record = {"step": done, "train_loss": loss, "grad_norm": grad_norm,
                       "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
                       "step_ms": seconds * 1e3}  # fmt: skip
+            record["tokens_per_s_per_device"] = record["tokens_per_s"] / jax.device_count()
             if peak:
                 record["mfu"] = flops / seconds / (peak * jax.device_count())
-            stats = jax.devices()[0].memory_stats() or {}
-            if "peak_bytes_in_use" in stats:
-                record["peak_mem_gb"] = stats["peak_bytes_in_use"] / 1e9
+            stats = [d.memory_stats() or {} for d in jax.local_devices()]
+            if all("peak_bytes_in_use" in st for st in stats):  # the fullest device's
+                record["peak_mem_gb"] = max(st["peak_bytes_in_use"] for st in stats) / 1e9
             if done % config.eval_interval == 0 or done == config.steps:
-                record["eval_loss"] = evaluate(eval_step, params, sampler, config.eval_batches)
-            metrics.write(record)
+                record["eval_loss"] = evaluate(
+                    eval_step, params, sampler, config.eval_batches, placement
+                )
+            if is_main():
+                metrics.write(record)
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {done}; stopping")
             line = " ".join(
@@ -170,9 +218,11 @@ def main(argv):
         bar.close()
     ckpt.wait()
     ckpt.close()
-    train_loop.plot_metrics(metrics.read(), os.path.join(config.workdir, "loss.png"))
+    if is_main():
+        train_loop.plot_metrics(metrics.read(), os.path.join(config.workdir, "loss.png"))
     log(f"Done: {config.steps} steps; metrics, loss.png and checkpoints in {config.workdir}")
 
 
 if __name__ == "__main__":
+    parallel.initialize_from_env()  # before the config file asks JAX which backend it has
     sys.exit(app.run(main))

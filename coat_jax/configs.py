@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(
         dict(source="stdlib", tokenizer="bytes", text_key="text", eval_fraction=0.05)
     )
+    # Device mesh (coat_jax.sharding): examples split over data x fsdp, parameters and FP8
+    # optimizer state over fsdp (and tensor); -1 = all remaining devices.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.batch_size = 16  # sequences per optimizer step (split over grad_accum micro-batches)
     c.seq_len = 128
     c.grad_accum = 1
@@ -110,6 +113,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"config.batch_size={c.batch_size} must be a multiple of "
             f"config.grad_accum={c.grad_accum}"
         )
+    sizes = [c.mesh[k] for k in ("data", "fsdp", "tensor")]
+    for key, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
+        if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+            raise ValueError(f"config.mesh.{key} must be a positive int or -1, got {size!r}")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"config.mesh: at most one size may be -1, got {c.mesh.to_dict()}")
     if c.precision not in POLICIES:
         raise ValueError(f"config.precision={c.precision!r}: expected one of {sorted(POLICIES)}")
     o = c.optimizer

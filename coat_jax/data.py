@@ -154,9 +154,12 @@ class BatchSampler:
                 )
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
 
-    def batch(self, index: int, split: str = "train") -> np.ndarray:
-        """Batch ``index`` of ``split``: int32 ``(batch_size, seq_len + 1)``."""
+    def batch(self, index: int, split: str = "train", rows=None) -> np.ndarray:
+        """Batch ``index`` of ``split``: int32 ``(batch_size, seq_len + 1)``, or only the
+        examples ``rows`` (indices into the batch) of it - what one process of many reads."""
         part = self.splits[split]
         rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, index])
         starts = rng.integers(0, len(part) - self.seq_len - 1, size=self.batch_size)
+        if rows is not None:
+            starts = starts[np.asarray(rows)]
         return np.stack([part[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)

@@ -8,10 +8,16 @@ Two views of the same step, side by side:
   saved for backward from the residuals of the loss's VJP (``jax.eval_shape``), plus the
   logits of one micro-batch.
 
+Under a mesh (a :class:`coat_jax.parallel.Placement`) every figure is per device: parameter,
+gradient and state bytes of each array's shard, activations and logits divided over the devices
+that split the batch (``data x fsdp``); XLA's analysis of a partitioned step is per device too.
+
 Nothing is allocated on the device: every tree here is abstract.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +29,14 @@ from coat_jax.residuals import saved_activation_bytes_abstract
 __all__ = ["format_plan", "layer_workspace", "memory_plan"]
 
 
-def _bytes(tree) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+def _bytes(tree, shardings=None, itemsize=None) -> int:
+    """Bytes of ``tree``'s leaves (of one shard each, given their ``shardings``)."""
+    leaves = jax.tree.leaves(tree)
+    shapes = [x.shape for x in leaves]
+    if shardings is not None:
+        shapes = [s.shard_shape(x) for x, s in zip(shapes, jax.tree.leaves(shardings), strict=True)]
+    sizes = [itemsize or jnp.dtype(x.dtype).itemsize for x in leaves]
+    return sum(math.prod(shape) * size for shape, size in zip(shapes, sizes, strict=True))
 
 
 def layer_workspace(config: LlamaConfig, batch: int, seq_len: int) -> int:
@@ -35,8 +47,11 @@ def layer_workspace(config: LlamaConfig, batch: int, seq_len: int) -> int:
     return attention + 3 * batch * seq_len * config.ffn_dim * 4
 
 
-def memory_plan(train_step, graph, params, opt_state, batch, model_config: LlamaConfig) -> dict:
-    """Planned bytes of one step; ``params``, ``opt_state``, ``batch`` may be abstract."""
+def memory_plan(
+    train_step, graph, params, opt_state, batch, model_config: LlamaConfig, placement=None
+) -> dict:
+    """Planned bytes of one step (per device under ``placement``); ``params``, ``opt_state``,
+    ``batch`` may be abstract."""
     compiled = train_step.lower(params, opt_state, batch).compile()
     analysis = compiled.memory_analysis()
     accum, micro, tokens = batch.shape
@@ -46,12 +61,18 @@ def memory_plan(train_step, graph, params, opt_state, batch, model_config: Llama
     )
     vocab = jax.eval_shape(lambda p, t: nnx.merge(graph, p)(t[:, :-1]), params, micro_tokens)
     logits = vocab.size * 4
-    param_bytes = _bytes(params)
-    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    split = 1
+    param_shardings = state_shardings = None
+    if placement is not None:
+        split = placement.batch_shards
+        param_shardings, state_shardings = placement.params, placement.opt_state
+        activations, logits = activations // split, logits // split
+    param_bytes = _bytes(params, param_shardings)
+    grad_bytes = _bytes(params, param_shardings, itemsize=4)
     plan = {
         "params": param_bytes,
         "grads": grad_bytes,
-        "optimizer_state": _bytes(opt_state),
+        "optimizer_state": _bytes(opt_state, state_shardings),
         "activations_estimate": activations,
         "logits_estimate": logits,
         "compiled_arguments": int(analysis.argument_size_in_bytes),
@@ -67,7 +88,7 @@ def memory_plan(train_step, graph, params, opt_state, batch, model_config: Llama
     )
     # Working set of one layer's backward, fp32: the attention scores, probabilities and their
     # gradient where attention is not a fused flash kernel, and the MLP's gate/up/hidden.
-    plan["workspace_estimate"] = layer_workspace(model_config, micro, tokens - 1)
+    plan["workspace_estimate"] = layer_workspace(model_config, -(-micro // split), tokens - 1)
     # Temporaries. Backward frees a layer's saved activations as it produces that layer's
     # gradients, so one micro-batch peaks at max(activations + logits and their gradient,
     # gradients), plus one layer's working set; with grad_accum > 1 the fp32 accumulator

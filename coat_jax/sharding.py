@@ -24,7 +24,15 @@ from jax.sharding import PartitionSpec as P
 
 from coat_jax.quant import QuantizedArray
 
-__all__ = ["MESH_AXES", "RULES", "make_mesh", "optimizer_specs", "param_specs", "shardings"]
+__all__ = [
+    "MESH_AXES",
+    "RULES",
+    "constrain",
+    "make_mesh",
+    "optimizer_specs",
+    "param_specs",
+    "shardings",
+]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 RULES = {
@@ -55,7 +63,17 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     return Mesh(devices.reshape(sizes), MESH_AXES)
 
 
-def _fits(mesh: Mesh, axis, size: int):
+def constrain(x: jax.Array, logical_axes, rules=RULES) -> jax.Array:
+    """Pins ``x``'s sharding by logical axis names (``None``: replicated) when traced under a
+    mesh (``jax.set_mesh``); without one it returns ``x`` unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    dims = zip(logical_axes, x.shape, strict=True)
+    return jax.lax.with_sharding_constraint(x, P(*(_fits(mesh, rules.get(a), n) for a, n in dims)))
+
+
+def _fits(mesh, axis, size: int):
     """``axis`` if ``size`` divides evenly over it, else ``None`` (replicated)."""
     if axis is None:
         return None

@@ -68,9 +68,10 @@ def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.S
     return opt, schedule
 
 
-def make_train_step(graph, optimizer):
+def make_train_step(graph, optimizer, placement=None):
     """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm})``, jitted with
-    params and optimizer state donated."""
+    params and optimizer state donated; with a :class:`coat_jax.parallel.Placement`, its inputs
+    and outputs stay in their shards (call it under ``jax.set_mesh(placement.mesh)``)."""
 
     def micro_loss(params, tokens):
         return loss_fn(nnx.merge(graph, params), tokens)
@@ -87,12 +88,27 @@ def make_train_step(graph, optimizer):
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.global_norm(grads)}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if placement is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    p, s = placement.params, placement.opt_state
+    return jax.jit(
+        step,
+        in_shardings=(p, s, placement.batch),
+        out_shardings=(p, s, placement.replicated),
+        donate_argnums=(0, 1),
+    )
 
 
-def make_eval_step(graph):
-    """``eval_step(params, tokens) -> loss``, jitted."""
-    return jax.jit(lambda params, tokens: loss_fn(nnx.merge(graph, params), tokens))
+def make_eval_step(graph, placement=None):
+    """``eval_step(params, tokens) -> loss``, jitted (sharded like the train step)."""
+    loss = lambda params, tokens: loss_fn(nnx.merge(graph, params), tokens)
+    if placement is None:
+        return jax.jit(loss)
+    return jax.jit(
+        loss,
+        in_shardings=(placement.params, placement.eval_batch),
+        out_shardings=placement.replicated,
+    )
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:

@@ -16,6 +16,7 @@ from flax import nnx
 from coat_jax import flow
 from coat_jax.nn import Block
 from coat_jax.policy import get_policy
+from coat_jax.sharding import constrain
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "loss_fn"]
 
@@ -127,12 +128,18 @@ class Llama(nnx.Module):
                 f"Llama expects int tokens (batch, seq), got {tokens.dtype}{tokens.shape}"
             )
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = self.embed[...][tokens].astype(compute_dtype)
+        hidden = ("batch", None, None)  # under a mesh: examples split, features whole
+        # The table is gathered whole before the lookup, as FSDP gathers any weight before use
+        # (XLA cannot partition a lookup into a table sharded along its features). The lookup
+        # stays in fp32 so that its gradient sums repeated tokens in fp32.
+        table = constrain(self.embed[...], (None, None))
+        x = constrain(table[tokens].astype(compute_dtype), hidden)
         for block in self.blocks:
-            x = block(x, positions)
+            x = constrain(block(x, positions), hidden)
         x = flow.rmsnorm(x, self.final_norm[...], self.config.norm_eps)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+        logits = jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", None, "vocab"))
 
 
 def loss_fn(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
