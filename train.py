@@ -28,7 +28,7 @@ from ml_collections import config_flags
 
 from coat_jax import configs, data, parallel, planner, sharding, train_loop
 from coat_jax.checkpoint import Checkpointer
-from coat_jax.models.llama import Llama
+from coat_jax.models.llama import Llama, init_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py", "Training config file.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print a memory plan, exit.")
@@ -54,7 +54,7 @@ def build(config):
             f"tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
     model_config = configs.llama_config(config)
-    create = lambda: nnx.split(Llama(model_config, rngs=nnx.Rngs(config.seed)))[1]
+    create = lambda shardings: init_params(model_config, config.seed, shardings)[1]
     graph, params = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
     optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
     try:
@@ -140,9 +140,11 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
             f"train.py: {ckpt.directory} already holds checkpoints (latest step {latest}); pass "
             "--config.resume=True to continue that run or choose another --config.workdir"
         )
+    started = time.perf_counter()
     if latest is None:
-        params = placement.init_params(create)
+        params = create(placement.params)
         opt_state = placement.init_opt_state(optimizer, params)
+        log(f"Initialized in {time.perf_counter() - started:.0f} s")
         if is_main() and os.path.exists(metrics.path):
             os.remove(metrics.path)  # no checkpoint: these metrics belong to nothing resumable
     else:  # restored straight into this run's shards, whatever mesh saved them
@@ -179,6 +181,7 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
         done = step + 1
         if step == start_step:  # keep compilation out of the throughput numbers
             jax.block_until_ready(m)
+            log(f"First step (with compilation): {time.perf_counter() - window_start:.0f} s")
             window_start, window_steps = time.perf_counter(), 0
         if done % config.log_interval == 0 or done == config.steps:
             loss, grad_norm = float(m["loss"]), float(m["grad_norm"])  # waits for the device

@@ -3,8 +3,7 @@
 A run's arrays live on one ``(data, fsdp, tensor)`` mesh (:mod:`coat_jax.sharding`):
 
 * parameters by their logical axes (``embed`` over ``fsdp``, heads / MLP / vocab over
-  ``tensor``), created directly in their shards by a jitted init (a 7B model never exists
-  whole on one device);
+  ``tensor``), created directly in their shards (:func:`coat_jax.models.llama.init_params`);
 * the FP8 optimizer state with the same leading shape as its parameter, so the update runs
   where the parameter shard is (:func:`coat_jax.sharding.optimizer_specs`);
 * each batch ``(grad_accum, micro_batch, seq_len + 1)`` split over ``data x fsdp`` along the
@@ -90,10 +89,6 @@ class Placement:
         return jax.tree.map(place, params, self.params), jax.tree.map(
             place, opt_state, self.opt_state
         )
-
-    def init_params(self, create: Callable[[], Any]):
-        """``create()``'s parameters, computed directly in their shards."""
-        return jax.jit(create, out_shardings=self.params)()
 
     def init_opt_state(self, optimizer, params):
         """``optimizer.init(params)``, computed directly in its shards."""

@@ -122,3 +122,17 @@ def test_bad_config_raises(overrides, match):
 def test_bad_tokens_raise():
     with pytest.raises(ValueError, match="int tokens"):
         build()(jnp.ones((2, 8)))
+
+
+def test_init_params_piece_by_piece_matches_the_model_layout():
+    config = llama.PRESETS["tiny"]
+    graph, params = llama.init_params(config, seed=3)
+    _, reference = nnx.split(llama.Llama(config, rngs=nnx.Rngs(3)))
+    assert jax.tree.structure(params) == jax.tree.structure(reference)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.std(got), np.std(want), rtol=0.2, atol=1e-6)
+    blocks = params["blocks"]
+    assert not np.array_equal(blocks[0]["mlp"]["w_up"][...], blocks[1]["mlp"]["w_up"][...])
+    tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, config.vocab_size)
+    assert np.isfinite(float(llama.loss_fn(nnx.merge(graph, params), tokens)))
