@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from coat_jax import quant
 from coat_jax.formats import get_format
 from coat_jax.quant import QuantizedArray, dequantize, quantize
 
@@ -187,12 +188,9 @@ def scale_by_fp8_adam(
         _check_float_leaves(params, "param")
 
         def zeros(p, fmt):
-            z = jnp.zeros(p.shape, jnp.float32)
-            return (
-                quantize(z, fmt, group_size=group_size, expand=expansion)
-                if (quantized(p, fmt))
-                else z
-            )
+            if quantized(p, fmt):
+                return quant.zeros(p.shape, fmt, group_size, expansion)
+            return jnp.zeros(p.shape, jnp.float32)
 
         mu = jax.tree.map(lambda p: zeros(p, mu_fmt), params)
         nu = jax.tree.map(lambda p: zeros(p, nu_fmt), params)

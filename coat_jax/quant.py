@@ -180,6 +180,21 @@ def quantize(
     return QuantizedArray(codes, amax, k_code, last_dim)
 
 
+def zeros(shape, fmt: str | Fp8Format, group_size: int, expand: bool = False) -> QuantizedArray:
+    """``quantize(jnp.zeros(shape), fmt, group_size=group_size, expand=expand)``, built from one
+    zero group broadcast to the layout: no reduction over a large constant for XLA to fold
+    (folding those made a jitted optimizer init of a 7B model take minutes to compile)."""
+    fmt = get_format(fmt)
+    group_size = _check_group_size(group_size)
+    n_groups, size = group_layout(shape[-1], group_size)
+    codes, amax, k = encode(jnp.zeros((size,), jnp.float32), fmt, expand)
+    lead = (*shape[:-1], n_groups)
+    fill = lambda v: jnp.broadcast_to(v, lead)
+    return QuantizedArray(
+        jnp.zeros((*lead, size), codes.dtype), fill(amax), None if k is None else fill(k), shape[-1]
+    )
+
+
 def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None):
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 

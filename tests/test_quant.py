@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from coat_jax import expansion
+from coat_jax import expansion, quant
 from coat_jax.formats import E4M3, E5M2, get_format
 from coat_jax.quant import QuantizedArray, dequantize, group_layout, quantize, to_groups
 
@@ -176,3 +176,15 @@ def test_orbax_roundtrip_is_bit_exact(tmp_path):
 def test_bad_input_raises_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         quantize(**kwargs)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 130), (2, 4, 256), (5, 1)])
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_zeros_equals_quantized_zeros(shape, expand, fmt):
+    want = quantize(jnp.zeros(shape), fmt, group_size=128, expand=expand)
+    got = quant.zeros(shape, fmt, 128, expand)
+    assert got.last_dim == want.last_dim and got.fmt == want.fmt
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
