@@ -92,19 +92,15 @@ def _check_float_leaves(tree, what: str) -> None:
 
 
 def _resolve_kernels(kernels: str):
-    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``."""
-    if kernels not in ("auto", "pallas", "reference", "interpret"):
-        raise ValueError(
-            f"kernels={kernels!r}: expected 'auto', 'pallas', 'reference' or 'interpret'"
-        )
-    on_hopper = jax.default_backend() == "gpu" and all(
-        getattr(d, "compute_capability", "0") >= "9.0" for d in jax.local_devices()
-    )
-    if kernels == "pallas" and not on_hopper:
-        raise ValueError("kernels='pallas' needs a Hopper GPU; use 'auto' or 'interpret'")
-    # "auto" keeps the XLA-fused reference until the kernel wins: on an H200 (2026-11-30,
-    # bench/optimizer.py, 1.01B params) the untuned kernel took 31.5 ms against 17.9 ms.
-    if kernels in ("reference", "auto"):
+    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``.
+
+    The decision is ``pallas_kernels.dispatch.resolve`` (one rule for every kernel family):
+    ``"auto"`` picks the kernel only on a Hopper GPU and only once a GPU measurement says it
+    beats the XLA-fused reference.
+    """
+    from pallas_kernels import dispatch  # pallas_kernels imports coat_jax, not the reverse
+
+    if dispatch.resolve(kernels, "adam_step") == "reference":
         return None
     from pallas_kernels import adam_step  # imported only when the kernel can run
 

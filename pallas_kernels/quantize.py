@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax.formats import Fp8Format, get_format
 from coat_jax.quant import QuantizedArray, decode, dequantize, encode, quantize
+from pallas_kernels import dispatch
 from pallas_kernels.tiling import block_shape
 
 __all__ = [
@@ -67,11 +68,7 @@ def _check(x, group_size):
 
 
 def _check_backend(interpret: bool) -> None:
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(
-            f"pallas_kernels.quantize compiles for a GPU, not {jax.default_backend()}; pass "
-            "interpret=True to run the kernels here, or use coat_jax.quantize"
-        )
+    dispatch.check_compiled(interpret, "pallas_kernels.quantize")
 
 
 def quantize_per_group(
