@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "ScaleByFp8AdamState",
     "fp8_adamw",
+    "fused_fp8_adamw_update",
     "scale_by_fp8_adam",
 ]
 
@@ -290,3 +291,15 @@ def fp8_adamw(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+def fused_fp8_adamw_update(params, grads, state: ScaleByFp8AdamState, learning_rate, **kwargs):
+    """``fp8_adamw``'s update and ``optax.apply_updates`` in one fused pass per parameter.
+
+    ``state`` is :func:`scale_by_fp8_adam`'s; returns ``(new_params, new_state)``. The kernel,
+    its jnp reference, the math and the options are in ``pallas_kernels.adam_update``
+    (:func:`~pallas_kernels.adam_update.fp8_adamw_update`).
+    """
+    from pallas_kernels import adam_update  # pallas_kernels imports coat_jax, not the reverse
+
+    return adam_update.fp8_adamw_update(params, grads, state, learning_rate, **kwargs)
