@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from pallas_kernels.tiling import block_shape
 
 __all__ = [
     "QuantizeTuning",
+    "quantize_tuning_candidates",
     "dequantize_per_group",
     "quantize_per_group",
     "quantize_per_tensor",
@@ -47,6 +49,12 @@ class QuantizeTuning:
     block_cols: int = 512
     num_warps: int = 4
     num_stages: int = 1
+
+
+def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
+    """The tunings ``bench/kernel_sweep.py`` times: tile rows x tile columns x warps."""
+    grid = itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8), (1,))
+    return tuple(QuantizeTuning(*c) for c in grid)
 
 
 def _blocks(rows: int, cols: int, group: int, tuning: QuantizeTuning) -> tuple[int, int] | None:
