@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import coat_jax
-from pallas_kernels import adam_step, adam_update
+from pallas_kernels import adam_step, adam_update, dispatch
 
 B1, B2, EPS, WD, LR = 0.9, 0.95, 1e-8, 0.1, 1e-2
 SHAPES = {"w": (16, 512), "ragged": (5, 130), "deep": (3, 4, 256), "scale": (64,)}
@@ -92,11 +92,16 @@ def test_reference_equals_optax_chain(grad_dtype):
     assert_states_close(got_s, want_s, exact=True)
 
 
+KERNEL_MODES = ["interpret"] + (["pallas"] if dispatch.hopper_gpu() else [])
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(k, id={"pallas": "compiled"}.get(k, k))
+                                     for k in KERNEL_MODES])  # fmt: skip
 @pytest.mark.parametrize(
     ("grad_dtype", "expansion", "nu_format"),
     [(jnp.float32, True, "e4m3"), (jnp.bfloat16, True, "e5m2"), (jnp.float32, False, "e4m3")],
 )
-def test_kernel_equals_optax_chain(grad_dtype, expansion, nu_format):
+def test_kernel_equals_optax_chain(grad_dtype, expansion, nu_format, kernels):
     params, grads, state, adam = fresh(grad_dtype, expansion=expansion, nu_format=nu_format)
     # "w" and "deep" take the kernel; "ragged" (groups of 65) and "scale" (fp32 moments) fall back
     takes = lambda k: adam_update._kernel_takes(
@@ -104,7 +109,7 @@ def test_kernel_equals_optax_chain(grad_dtype, expansion, nu_format):
     )
     assert takes("w") and takes("deep") and not takes("ragged") and not takes("scale")
     want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s))(params, grads, state)
-    got_p, got_s = fused_step("interpret", params, grads, state)
+    got_p, got_s = fused_step(kernels, params, grads, state)
     assert_params_close(got_p, want_p, params, grad_dtype)
     assert_states_close(got_s, want_s, exact=False)
 
@@ -116,7 +121,7 @@ def test_clip_scale_and_schedule():
     want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s, lr=schedule))(
         params, scaled, state
     )
-    for kernels in ("reference", "interpret"):
+    for kernels in ("reference", *KERNEL_MODES):
         got_p, got_s = fused_step(kernels, params, grads, state, lr=schedule, clip=0.25)
         assert_params_close(got_p, want_p, params, jnp.float32)
         assert_states_close(got_s, want_s, exact=kernels == "reference")
@@ -126,7 +131,7 @@ def test_non_finite_gradients_like_the_chain():
     params, grads, state, adam = fresh(jnp.float32)
     grads["w"] = grads["w"].at[3, 200].set(jnp.nan).at[7, 5].set(jnp.inf)
     want_p, want_s = chain_step(adam, params, grads, state)
-    for kernels in ("reference", "interpret"):
+    for kernels in ("reference", *KERNEL_MODES):
         got_p, got_s = fused_step(kernels, params, grads, state)
         np.testing.assert_array_equal(np.isnan(got_p["w"]), np.isnan(want_p["w"]))
         assert np.isnan(got_p["w"]).sum() >= 2

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from coat_jax.quant import dequantize, quantize
+from pallas_kernels import dispatch
 from pallas_kernels import quantize as kq
 
 SHAPES = [(64, 512), (3, 5, 256), (1, 48), (96, 4096), (7, 160)]
@@ -26,10 +27,9 @@ def assert_same_codes(got, want):
 
 
 def run_modes():
-    modes = [True]
-    if jax.default_backend() == "gpu":
-        modes.append(False)
-    return modes
+    """Interpret mode everywhere, compiled too on a Hopper GPU (ids interpret / compiled)."""
+    compiled = [pytest.param(False, id="compiled")] if dispatch.hopper_gpu() else []
+    return [pytest.param(True, id="interpret"), *compiled]
 
 
 @pytest.mark.parametrize("interpret", run_modes())
