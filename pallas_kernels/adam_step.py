@@ -78,7 +78,7 @@ class AdamStepTuning:
 
 def tuning_candidates() -> tuple[AdamStepTuning, ...]:
     """The tunings ``bench/kernel_sweep.py`` times: tile rows x warps x log flavour."""
-    grid = itertools.product((8, 16, 32, 64), (2, 4, 8), (1,), (True, False))
+    grid = itertools.product((8, 16, 32, 64), (4, 8), (1,), (True, False))
     return tuple(AdamStepTuning(*c) for c in grid)
 
 
