@@ -149,7 +149,8 @@ def scale_by_fp8_adam(
       kernels: ``"pallas"`` (the fused moment kernel of ``pallas_kernels.adam_step``; Hopper
         GPU only), ``"reference"`` (XLA-fused jnp), ``"interpret"`` (the kernel in Pallas
         interpret mode, for tests on CPU) or ``"auto"``: the faster of the two as measured;
-        today the reference everywhere (the kernel is correct but not yet faster). Parameters
+        the reference until a GPU measurement flips ``pallas_kernels.dispatch.AUTO_USES_KERNEL``
+        (the rule: ``pallas_kernels.dispatch``). Parameters
         whose layout the kernel does not take use the reference.
 
     Returns:
