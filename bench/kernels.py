@@ -35,6 +35,12 @@ def median_ms(fn, inputs, iters: int, inner: int) -> float:
     return float(np.median(times))
 
 
+def _quantize_both(x):
+    """The jnp twin of the fused transpose+quantize: codes and transposed codes, amax 4."""
+    q = quantize(x, "e4m3", amax=jnp.float32(4.0))
+    return q.data, q.data.T
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192)
@@ -66,6 +72,11 @@ def main():
                n * (2 * b + 1))  # fmt: skip
         record(f"per-tensor {tag}, Pallas two-stage", lambda x: kq.quantize_per_tensor(x), xs,
                n * (2 * b + 1))  # fmt: skip
+        # backward-GEMM operands: codes in both layouts from a known amax (one read, two writes)
+        record(f"transpose+quantize per-tensor {tag}, XLA jnp", jax.jit(_quantize_both), xs,
+               n * (b + 2))  # fmt: skip
+        record(f"transpose+quantize per-tensor {tag}, Pallas",
+               lambda x: kq.quantize_transpose_per_tensor(x, 4.0), xs, n * (b + 2))  # fmt: skip
     qs = [kq.quantize_per_group(jax.random.normal(k, (args.rows, args.cols)), "e4m3", 16)
           for k in jax.random.split(jax.random.key(1), 3)]  # fmt: skip
     moved = n * (1 + 4) + n // 16 * 4

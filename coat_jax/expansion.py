@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coat_jax.formats import Fp8Format
 
@@ -63,7 +64,10 @@ K_STEP = 1.0 / 16.0
 K_MIN = 1 * K_STEP
 K_MAX = 255 * K_STEP
 _TINY = float(jnp.finfo(jnp.float32).tiny)
-_LOG_TINY = -80.0  # exp() stays a normal fp32 above this
+_LOG2_E = 1.4426950408889634
+# Below this k a decoded 2^t may leave fp32's normal range (E5M2's smallest code is 2^-16 of
+# its max: t >= -16 / k > -64 for k >= 1/4).
+_K_COMPRESS = 0.25
 
 
 def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
@@ -98,29 +102,49 @@ def decode_k(code: jax.Array) -> jax.Array:
     return code.astype(jnp.float32) * K_STEP
 
 
-def expanded_encode(x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
-    """``sign(x) * fmt.max * (|x| / amax)^k``: expansion and absmax scaling in one (fp32).
+def expanded_encode(
+    x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log
+) -> jax.Array:
+    """``sign(x) * fmt.max * 2^(k log2(e) ln(|x| / amax))``: expansion and absmax scaling in one.
 
-    ``amax`` and ``k`` broadcast against ``x``; groups with ``amax == 0`` map to 0. Ratios below
-    fp32's normal range (a group spanning more than 38 decades) are taken in the log domain.
+    fp32; ``amax`` and ``k`` broadcast against ``x`` (per-group values shaped ``(..., 1)``, so
+    ``k log2(e)`` is computed per group); groups with ``amax == 0`` map to 0. Per element: one
+    division, one ``log``, one ``exp2``. Ratios below fp32's normal range (a group spanning more
+    than 38 decades) take ``ln |x| - ln amax`` instead, selected per element so that no second
+    logarithm is evaluated. ``log`` is the natural logarithm to use (kernels may pass a
+    hardware approximation).
     """
     x = x.astype(jnp.float32)
     a = jnp.abs(x)
     amax = jnp.where(amax > 0, amax, 1.0)
     ratio = a / amax
-    log_ratio = jnp.where(ratio >= _TINY, jnp.log(ratio), jnp.log(a) - jnp.log(amax))
-    return jnp.sign(x) * (fmt.max * jnp.exp(k * log_ratio))
+    tiny = ratio < _TINY
+    log_ratio = log(jnp.where(tiny, a, ratio)) - jnp.where(tiny, log(amax), 0.0)
+    return jnp.sign(x) * (fmt.max * jnp.exp2(log_ratio * (k * _LOG2_E)))
 
 
-def expanded_decode(q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format) -> jax.Array:
-    """Inverse of :func:`expanded_encode`: ``sign(q) * amax * (|q| / fmt.max)^(1/k)`` (fp32).
+def expanded_decode(
+    q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log
+) -> jax.Array:
+    """Inverse of :func:`expanded_encode`: ``sign(q) * amax * 2^((ln|q| - ln fmax) log2(e) / k)``.
 
-    ``|q| == fmt.max`` decodes to exactly ``amax``; factors below fp32's range stay in the log
-    domain until multiplied by ``amax``.
+    fp32. Per element one ``log`` and one ``exp2``; ``log2(e) / k``, ``log2 amax`` and the
+    choice below are per group. ``|q| == fmt.max`` decodes to exactly ``amax``. Groups with
+    ``k < 1/4`` (ranges wider than the format, where ``2^t`` could leave fp32's range) move a
+    power of two of ``amax`` inside the power.
     """
     q = q.astype(jnp.float32)
-    t = jnp.log(jnp.abs(q) / fmt.max) / k
-    magnitude = jnp.where(t > _LOG_TINY, amax * jnp.exp(t), jnp.exp(t + jnp.log(amax)))
+    a = jnp.abs(q)
+    ln_fmax = float(np.float32(np.log(fmt.max)))  # a constant: jit, eager and kernels agree
+    t = (log(a) - ln_fmax) * (_LOG2_E / k)
+    # Per group: 2^t amax = 2^(t + e) (amax 2^-e), e a power-of-two exponent of amax clipped to
+    # +-100, when k < 1/4; there 2^t alone may underflow (t down to -285) or 2^(t + log2 amax)
+    # overflow (amax near fp32's max).
+    compress = k < _K_COMPRESS
+    e = jnp.clip(jnp.floor(log(jnp.where(amax > 0, amax, 1.0)) * _LOG2_E), -100.0, 100.0)
+    shift = jnp.where(compress, e, 0.0)
+    mult = jnp.where(compress, amax * jnp.exp2(-e), amax)
+    magnitude = jnp.where(a == fmt.max, amax, jnp.exp2(t + shift) * mult)  # exact at the top
     return jnp.sign(q) * magnitude
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "ScaleByFp8AdamState",
     "fp8_adamw",
+    "fused_fp8_adamw_update",
     "scale_by_fp8_adam",
 ]
 
@@ -93,19 +94,15 @@ def _check_float_leaves(tree, what: str) -> None:
 
 
 def _resolve_kernels(kernels: str):
-    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``."""
-    if kernels not in ("auto", "pallas", "reference", "interpret"):
-        raise ValueError(
-            f"kernels={kernels!r}: expected 'auto', 'pallas', 'reference' or 'interpret'"
-        )
-    on_hopper = jax.default_backend() == "gpu" and all(
-        getattr(d, "compute_capability", "0") >= "9.0" for d in jax.local_devices()
-    )
-    if kernels == "pallas" and not on_hopper:
-        raise ValueError("kernels='pallas' needs a Hopper GPU; use 'auto' or 'interpret'")
-    # "auto" keeps the XLA-fused reference until the kernel wins: on an H200 (2026-11-30,
-    # bench/optimizer.py, 1.01B params) the untuned kernel took 31.5 ms against 17.9 ms.
-    if kernels in ("reference", "auto"):
+    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``.
+
+    The decision is ``pallas_kernels.dispatch.resolve`` (one rule for every kernel family):
+    ``"auto"`` picks the kernel only on a Hopper GPU and only once a GPU measurement says it
+    beats the XLA-fused reference.
+    """
+    from pallas_kernels import dispatch  # pallas_kernels imports coat_jax, not the reverse
+
+    if dispatch.resolve(kernels, "adam_step") == "reference":
         return None
     from pallas_kernels import adam_step  # imported only when the kernel can run
 
@@ -153,7 +150,8 @@ def scale_by_fp8_adam(
       kernels: ``"pallas"`` (the fused moment kernel of ``pallas_kernels.adam_step``; Hopper
         GPU only), ``"reference"`` (XLA-fused jnp), ``"interpret"`` (the kernel in Pallas
         interpret mode, for tests on CPU) or ``"auto"``: the faster of the two as measured;
-        today the reference everywhere (the kernel is correct but not yet faster). Parameters
+        the reference until a GPU measurement flips ``pallas_kernels.dispatch.AUTO_USES_KERNEL``
+        (the rule: ``pallas_kernels.dispatch``). Parameters
         whose layout the kernel does not take use the reference.
 
     Returns:
@@ -199,6 +197,12 @@ def scale_by_fp8_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         _check_float_leaves(updates, "gradient")
+        mesh = jax.sharding.get_abstract_mesh()
+        if kernel is not None and not mesh.empty and mesh.size > 1:
+            raise ValueError(
+                f"kernels={kernels!r}: the Pallas moment kernel does not run under a "
+                f"{mesh.size}-device mesh yet (it is not shard_map-wrapped); use 'reference'"
+            )
         count_inc = optax.safe_increment(state.count)
         bc1 = 1 - jnp.asarray(b1, jnp.float32) ** count_inc
         bc2 = 1 - jnp.asarray(b2, jnp.float32) ** count_inc
@@ -292,3 +296,15 @@ def fp8_adamw(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+def fused_fp8_adamw_update(params, grads, state: ScaleByFp8AdamState, learning_rate, **kwargs):
+    """``fp8_adamw``'s update and ``optax.apply_updates`` in one fused pass per parameter.
+
+    ``state`` is :func:`scale_by_fp8_adam`'s; returns ``(new_params, new_state)``. The kernel,
+    its jnp reference, the math and the options are in ``pallas_kernels.adam_update``
+    (:func:`~pallas_kernels.adam_update.fp8_adamw_update`).
+    """
+    from pallas_kernels import adam_update  # pallas_kernels imports coat_jax, not the reverse
+
+    return adam_update.fp8_adamw_update(params, grads, state, learning_rate, **kwargs)

@@ -195,12 +195,12 @@ def zeros(shape, fmt: str | Fp8Format, group_size: int, expand: bool = False) ->
     )
 
 
-def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None):
+def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None, log=jnp.log):
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 
     With ``per_group`` the groups run along the last axis, else the whole array is one group.
     Returns ``(codes, amax, k code or None)``. The Pallas kernels call this on their tiles, so
-    kernel and reference cannot drift apart.
+    kernel and reference cannot drift apart (``log``: the natural logarithm the expansion uses).
     """
     axes = -1 if per_group else tuple(range(x.ndim))
     bcast = (..., None) if per_group else ()
@@ -208,7 +208,7 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
         k = expansion.expansion_exponent(amax, amin, fmt)
-        scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt)
+        scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt, log=log)
         return saturating_cast(scaled, fmt), amax, expansion.encode_k(k)
     if amax is None:
         amax = jnp.max(jnp.abs(x), axis=axes)
@@ -219,12 +219,13 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     return saturating_cast(x * factor[bcast], fmt), amax, None
 
 
-def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True):
+def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.log):
     """The inverse math of :func:`encode` (fp32), on codes laid out in groups."""
     codes = codes.astype(jnp.float32)
     bcast = (..., None) if per_group else ()
     if k is not None:
-        return expansion.expanded_decode(codes, amax[bcast], expansion.decode_k(k)[bcast], fmt)
+        k = expansion.decode_k(k)[bcast]
+        return expansion.expanded_decode(codes, amax[bcast], k, fmt, log=log)
     return (codes / fmt.max) * amax[bcast]
 
 

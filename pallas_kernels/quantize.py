@@ -11,6 +11,9 @@ own ``encode`` / ``decode`` on their tiles, so FP8 codes and scales are bitwise 
   ``max |x|`` per block, a tiny reduction gives the tensor's ``amax``, a second kernel scales
   and casts. (In a fused producer the first stage rides along the producing kernel.)
 * :func:`dequantize_per_group`: codes times ``amax / fmt.max`` per group.
+* :func:`quantize_transpose_per_tensor`: per-tensor codes of a matrix in row-major and in
+  K-major (transposed) layout from one read of it, given ``amax`` (e.g. from the producer's
+  partial max), as a backward GEMM needs both.
 
 Shapes the kernels cannot take (a last axis that is not a multiple of the group size, a group
 size that is not a power of two) fall back to the reference without error.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +32,16 @@ from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax.formats import Fp8Format, get_format
 from coat_jax.quant import QuantizedArray, decode, dequantize, encode, quantize
+from pallas_kernels import dispatch
 from pallas_kernels.tiling import block_shape
 
 __all__ = [
     "QuantizeTuning",
+    "quantize_tuning_candidates",
     "dequantize_per_group",
     "quantize_per_group",
     "quantize_per_tensor",
+    "quantize_transpose_per_tensor",
 ]
 
 
@@ -46,6 +53,12 @@ class QuantizeTuning:
     block_cols: int = 512
     num_warps: int = 4
     num_stages: int = 1
+
+
+def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
+    """The tunings ``bench/kernel_sweep.py`` times: tile rows x tile columns x warps."""
+    grid = itertools.product((8, 32), (256, 512, 1024), (4, 8), (1,))
+    return tuple(QuantizeTuning(*c) for c in grid)
 
 
 def _blocks(rows: int, cols: int, group: int, tuning: QuantizeTuning) -> tuple[int, int] | None:
@@ -67,11 +80,7 @@ def _check(x, group_size):
 
 
 def _check_backend(interpret: bool) -> None:
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(
-            f"pallas_kernels.quantize compiles for a GPU, not {jax.default_backend()}; pass "
-            "interpret=True to run the kernels here, or use coat_jax.quantize"
-        )
+    dispatch.check_compiled(interpret, "pallas_kernels.quantize")
 
 
 def quantize_per_group(
@@ -235,6 +244,71 @@ def _scale_call(x2, amax, fmt, br, bc, tuning, interpret):
         ],
         out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+        compiler_params=_params(tuning),
+        interpret=interpret,
+    )(x2, amax)
+
+
+def quantize_transpose_per_tensor(
+    x: jax.Array,
+    amax: jax.Array,
+    fmt: str | Fp8Format = "e4m3",
+    *,
+    tuning: QuantizeTuning = QuantizeTuning(),
+    interpret: bool = False,
+) -> tuple[QuantizedArray, QuantizedArray]:
+    """``(Q(x), Q(x)^T)`` per tensor with the given ``amax``, one pass over ``x``.
+
+    ``q = sat(x * fmt.max / amax)`` (``amax == 0`` scales by ``fmt.max``), written as ``x``'s
+    ``(R, C)`` codes and as the ``(C, R)`` transposed codes: bitwise equal to
+    ``coat_jax.quantize(x, fmt, amax=amax)`` and its transpose. Reads ``R C`` elements once,
+    writes ``2 R C`` bytes. Shapes the kernel cannot tile fall back to the reference.
+
+    Args:
+      x: a 2-D floating-point array.
+      amax: fp32 scalar, the scale's ``max |x|``; values beyond it saturate.
+      fmt: FP8 format.
+      tuning: tile and launch knobs (the transposed tile is ``(block_cols, block_rows)``).
+      interpret: run in Pallas interpret mode.
+    """
+    fmt = get_format(fmt)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 2:
+        raise ValueError(f"quantize_transpose needs a 2-D float array, got {x.dtype}{x.shape}")
+    _check_backend(interpret)
+    amax = jnp.asarray(amax, jnp.float32)
+    blocks = _blocks(*x.shape, 1, tuning) if x.size else None
+    if blocks is None or blocks[1] < 16:
+        q = quantize(x, fmt, amax=amax)
+        return q, QuantizedArray(q.data.T, q.amax)
+    codes, codes_t = _transpose_call(x, amax.reshape(1, 1), fmt, *blocks, tuning, interpret)
+    return QuantizedArray(codes, amax), QuantizedArray(codes_t, amax)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _transpose_call(x2, amax, fmt, br, bc, tuning, interpret):
+    rows, cols = x2.shape
+
+    def kernel(x_ref, amax_ref, q_ref, qt_ref):
+        x = x_ref[...]
+        a = amax_ref[0, 0]
+        q_ref[...] = encode(x, fmt, False, per_group=False, amax=a)[0]
+        qt_ref[...] = encode(x.T, fmt, False, per_group=False, amax=a)[0]  # elementwise: same codes
+
+    return pl.pallas_call(
+        kernel,
+        grid=(rows // br, cols // bc),
+        in_specs=[
+            pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+            pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+            pl.BlockSpec((bc, br), lambda i, j: (j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+            jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
+        ],
         compiler_params=_params(tuning),
         interpret=interpret,
     )(x2, amax)

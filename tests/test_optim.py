@@ -273,3 +273,12 @@ def test_kernels_option_is_checked():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
             coat_jax.fp8_adamw(1e-3, kernels="pallas")
+
+
+def test_pallas_kernel_refuses_a_multi_device_mesh():
+    opt = coat_jax.scale_by_fp8_adam(min_size=0, kernels="interpret")
+    params = {"w": jnp.ones((4, 256))}
+    state = opt.init(params)
+    mesh = jax.sharding.AbstractMesh((2,), ("fsdp",))
+    with jax.sharding.use_abstract_mesh(mesh), pytest.raises(ValueError, match="2-device mesh"):
+        jax.eval_shape(opt.update, params, state)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coat_jax.quant import dequantize, quantize
-from pallas_kernels import adam_step
+from pallas_kernels import adam_step, dispatch
 
 B1, B2, EPS, EPS_ROOT, STEP = 0.9, 0.95, 1e-8, 0.0, 7
 
@@ -34,7 +34,9 @@ def reference(g, mu, nu):
 
 
 def modes():
-    return [True, False] if jax.default_backend() == "gpu" else [True]
+    """Interpret mode everywhere, compiled too on a Hopper GPU (ids interpret / compiled)."""
+    compiled = [pytest.param(False, id="compiled")] if dispatch.hopper_gpu() else []
+    return [pytest.param(True, id="interpret"), *compiled]
 
 
 @pytest.mark.parametrize("interpret", modes())

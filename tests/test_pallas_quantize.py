@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coat_jax.formats import get_format
 from coat_jax.quant import dequantize, quantize
+from pallas_kernels import dispatch
 from pallas_kernels import quantize as kq
 
 SHAPES = [(64, 512), (3, 5, 256), (1, 48), (96, 4096), (7, 160)]
@@ -26,10 +28,9 @@ def assert_same_codes(got, want):
 
 
 def run_modes():
-    modes = [True]
-    if jax.default_backend() == "gpu":
-        modes.append(False)
-    return modes
+    """Interpret mode everywhere, compiled too on a Hopper GPU (ids interpret / compiled)."""
+    compiled = [pytest.param(False, id="compiled")] if dispatch.hopper_gpu() else []
+    return [pytest.param(True, id="interpret"), *compiled]
 
 
 @pytest.mark.parametrize("interpret", run_modes())
@@ -89,3 +90,39 @@ def test_bad_input(kwargs, error):
 def test_compiled_mode_off_gpu_says_how_to_run():
     with pytest.raises(ValueError, match="interpret=True"):
         kq.quantize_per_group(jnp.ones((4, 32)), "e4m3", 16)
+
+
+@pytest.mark.parametrize("interpret", run_modes())
+@pytest.mark.parametrize("shape", [(64, 512), (96, 160), (7, 160), (5, 130)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_transpose_quantize_equals_quantize_then_transpose(shape, fmt, dtype, interpret):
+    x = fresh(shape, dtype)
+    # an amax below max|x| (as from an earlier step's statistics) exercises saturation too
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32))) * 0.5
+    q, q_t = kq.quantize_transpose_per_tensor(x, amax, fmt, interpret=interpret)
+    want = quantize(x, fmt, amax=amax)
+    assert_same_codes(q, want)
+    assert_same_codes(q_t, type(want)(want.data.T, want.amax))
+    assert np.abs(np.asarray(q.data.astype(jnp.float32))).max() == get_format(fmt).max
+
+
+def test_transpose_quantize_tiles_in_both_layouts():
+    tuning = kq.QuantizeTuning(block_rows=16, block_cols=32)
+    x = fresh((64, 128))
+    q, q_t = kq.quantize_transpose_per_tensor(x, 3.0, tuning=tuning, interpret=True)
+    want = quantize(x, "e4m3", amax=jnp.float32(3.0)).data
+    bits = lambda a: np.asarray(a).view(np.uint8)
+    np.testing.assert_array_equal(bits(q.data), bits(want))
+    np.testing.assert_array_equal(bits(q_t.data), bits(want).T)
+    with pytest.raises(ValueError, match="2-D float"):
+        kq.quantize_transpose_per_tensor(jnp.ones((2, 3, 4)), 1.0, interpret=True)
+
+
+def test_transpose_quantize_lowers_to_triton_for_cuda():
+    """Without a GPU: the in-tile transpose lowers to Triton IR."""
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    traced = kq._transpose_call.trace(
+        x, jnp.ones((1, 1)), get_format("e4m3"), 32, 128, kq.QuantizeTuning(), False
+    )
+    assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

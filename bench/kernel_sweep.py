@@ -1,0 +1,161 @@
+"""Tuning sweep of the memory-bound Pallas kernels: time every candidate tuning, keep the best.
+
+  python bench/kernel_sweep.py [--rows 4096 --cols 11008] [--json out.json]
+  python bench/kernel_sweep.py --rows 16 --cols 256 --max-candidates 2   # CPU smoke (interpret)
+
+Kernels: the fused FP8 Adam moment step (``adam_step``, candidates from
+``adam_step.tuning_candidates()``), the full-fusion AdamW update (``adam_update``, same
+candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``), on
+one ``(rows, cols)`` fp32 tensor. Each candidate: median over --iters samples of the mean of
+--inner back-to-back launches, state fed forward and donated (as in a training loop), so the
+update kernel's in-place aliasing is what is timed. GB/s counts each input read once and each
+output written once; "of copy" relates it to a device copy of the same fp32 tensor (read +
+write). A candidate that fails to compile is recorded with its error and skipped. Off a GPU the
+kernels run in interpret mode (times meaningless; the point is that the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coat_jax.quant import quantize
+from pallas_kernels import adam_step, adam_update, dispatch
+from pallas_kernels import quantize as kq
+
+B1, B2 = 0.9, 0.95
+
+
+def time_chained(step, carry, iters: int, inner: int) -> float:
+    """Median ms of ``carry = step(carry)``, ``inner`` launches per sample, after one warm-up."""
+    carry = jax.block_until_ready(step(carry))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        for _ in range(inner):
+            carry = step(carry)
+        jax.block_until_ready(carry)
+        times.append((time.perf_counter() - start) * 1e3 / inner)
+    return float(np.median(times))
+
+
+def kernel_cases(rows: int, cols: int, interpret: bool):
+    """``{name: (candidates, make_step(tuning) -> (step, carry), bytes moved)}``."""
+    n = rows * cols
+    keys = jax.random.split(jax.random.key(0), 4)
+    g = jax.random.normal(keys[0], (rows, cols)) * 1e-3
+    p = jax.random.normal(keys[1], (rows, cols)) * 0.02
+    mu = quantize(jax.random.normal(keys[2], (rows, cols)) * 1e-4, group_size=128, expand=True)
+    nu = quantize(jnp.exp(jax.random.normal(keys[3], (rows, cols))) * 1e-7, group_size=128,
+                  expand=True)  # fmt: skip
+    moments_bytes = 2 * 2 * (n + n // 128 * 5)  # FP8 codes + amax + k, read and written
+    hyper8 = jnp.array([B1, 1 - B1, B2, 1 - B2, 1e-8, 0.0, 1 - B1**5, 1 - B2**5], jnp.float32)
+    hyper16 = jnp.concatenate([hyper8, jnp.array([-1e-4, 0.1, 1.0, 0, 0, 0, 0, 0], jnp.float32)])
+
+    fresh = lambda *tree: jax.tree.map(jnp.copy, tree)  # each candidate donates its own copy
+
+    def moments_step(tuning):
+        fn = lambda c: adam_step.fp8_adam_moments(
+            g, c[1], c[2], hyper8, tuning=tuning, interpret=interpret
+        )
+        return jax.jit(fn, donate_argnums=0), fresh(g, mu, nu)
+
+    def update_step(tuning):
+        fn = lambda c: adam_update.leaf_kernel(
+            c[0], g, c[1], c[2], hyper16, True, tuning=tuning, interpret=interpret
+        )
+        return jax.jit(fn, donate_argnums=0), fresh(p, mu, nu)
+
+    def quantize_step(group):
+        def make(tuning):
+            fn = lambda x: (kq.quantize_per_group(x, "e4m3", group, tuning=tuning,
+                                                  interpret=interpret), x)[::-1]  # fmt: skip
+            return jax.jit(lambda c: fn(c[0])), (g, None)
+
+        return make
+
+    cases = {
+        "adam_step (moments, expansion)": (
+            adam_step.tuning_candidates(),
+            moments_step,
+            8 * n + moments_bytes,
+        ),
+        "adam_update (full AdamW, expansion)": (
+            adam_step.tuning_candidates(),
+            update_step,
+            12 * n + moments_bytes,
+        ),
+    }
+    for group in (16, 128):
+        cases[f"quantize per-group 1x{group} fp32"] = (
+            kq.quantize_tuning_candidates(),
+            quantize_step(group),
+            5 * n + n // group * 4,
+        )
+    return cases
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=11008)
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--inner", type=int, default=10, help="launches per timed sample")
+    parser.add_argument("--max-candidates", type=int, default=0, help="0: all")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    interpret = not dispatch.hopper_gpu()
+    n = args.rows * args.cols
+    copy_ms = time_chained(jax.jit(lambda x: x * 2), jnp.ones((args.rows, args.cols)),
+                           args.iters, args.inner)  # fmt: skip
+    copy_gbps = 8 * n / copy_ms / 1e6
+    results = {}
+    for name, (candidates, make, nbytes) in kernel_cases(args.rows, args.cols, interpret).items():
+        if args.max_candidates:
+            candidates = candidates[: args.max_candidates]
+        rows = []
+        for tuning in candidates:
+            row = {"tuning": {k: v for k, v in vars(tuning).items()}}
+            try:
+                step, carry = make(tuning)
+                ms = time_chained(step, carry, args.iters, args.inner)
+                row.update(ms=ms, GBps=nbytes / ms / 1e6)
+            except Exception as e:  # a candidate that does not compile (smem, layout)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+        timed = [r for r in rows if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        results[name] = {"bytes": nbytes, "best": best, "candidates": rows}
+
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+    mode = "interpret mode: times are not kernel speed" if interpret else "compiled"
+    print(f"\n{args.rows}x{args.cols} fp32, {device} ({mode}); copy {copy_gbps:.0f} GB/s")
+    print(
+        "| kernel | best tuning | ms | GB/s | of copy | candidates ok |\n|---|---|---|---|---|---|"
+    )
+    for name, r in results.items():
+        ok = sum("ms" in c for c in r["candidates"])
+        b = r["best"]
+        if b is None:
+            print(f"| {name} | none compiled | - | - | - | 0/{len(r['candidates'])} |")
+            continue
+        t = ", ".join(f"{k}={v}" for k, v in b["tuning"].items())
+        print(f"| {name} | {t} | {b['ms']:.3f} | {b['GBps']:.0f} | "
+              f"{b['GBps'] / copy_gbps:.0%} | {ok}/{len(r['candidates'])} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                       "interpret": interpret, "shape": [args.rows, args.cols],
+                       "copy_GBps": copy_gbps, "iters": args.iters, "inner": args.inner,
+                       "kernels": results}, f, indent=2)  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    main()

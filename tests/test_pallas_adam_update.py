@@ -1,0 +1,174 @@
+"""Full-fusion FP8 AdamW update against the optax chain it replaces (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import coat_jax
+from pallas_kernels import adam_step, adam_update, dispatch
+
+B1, B2, EPS, WD, LR = 0.9, 0.95, 1e-8, 0.1, 1e-2
+SHAPES = {"w": (16, 512), "ragged": (5, 130), "deep": (3, 4, 256), "scale": (64,)}
+MASK = {"w": True, "ragged": True, "deep": False, "scale": False}
+
+
+def fresh(grad_dtype, steps=2, expansion=True, nu_format="e4m3"):
+    """Random params and a moment state after ``steps`` reference updates (nonzero moments)."""
+    rng = np.random.default_rng()
+    keys = iter(jax.random.split(jax.random.key(rng.integers(1 << 30)), 16))
+    params = {k: jax.random.normal(next(keys), s) * 0.02 for k, s in SHAPES.items()}
+    grad = lambda: {
+        k: (jax.random.normal(next(keys), s) * 1e-2).astype(grad_dtype) for k, s in SHAPES.items()
+    }
+    adam = coat_jax.scale_by_fp8_adam(
+        B1, B2, EPS, min_size=256, expansion=expansion, nu_format=nu_format, kernels="reference"
+    )
+    state = adam.init(params)
+    for _ in range(steps):
+        _, state = adam.update(grad(), state)
+    return params, grad(), state, adam
+
+
+def chain_step(adam, params, grads, state, lr=LR):
+    opt = optax.chain(adam, optax.add_decayed_weights(WD, MASK), optax.scale_by_learning_rate(lr))
+    # the later links' states as a chain started with ``state`` would hold them (same count)
+    is_sched = lambda s: isinstance(s, optax.ScaleByScheduleState)
+    sync = lambda s: s._replace(count=state.count) if is_sched(s) else s
+    rest = jax.tree.map(sync, opt.init(params)[1:], is_leaf=is_sched)
+    updates, new = opt.update(grads, (state, *rest), params)
+    return optax.apply_updates(params, updates), new[0]
+
+
+def fused_step(kernels, params, grads, state, lr=LR, clip=1.0):
+    return jax.jit(
+        lambda p, g, s: adam_update.fp8_adamw_update(
+            p,
+            g,
+            s,
+            lr,
+            b1=B1,
+            b2=B2,
+            eps=EPS,
+            weight_decay=WD,
+            mask=MASK,
+            clip_scale=clip,
+            kernels=kernels,
+        )  # fmt: skip
+    )(params, grads, state)
+
+
+def assert_params_close(got, want, params, grad_dtype):
+    """fp32 gradients: equal to fp32 rounding. bf16: the chain rounds ``u`` (and ``lr u`` where
+    undecayed) to bf16, which XLA may skip (xla_allow_excess_precision), so one bf16 step of the
+    update is allowed there."""
+    for k in SHAPES:
+        update = np.abs(np.asarray(want[k]) - np.asarray(params[k])).max()
+        assert update > 1e-4  # the step did something to check
+        atol = 2.0**-8 * update if grad_dtype == jnp.bfloat16 else 1e-6 * LR
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=atol, err_msg=k)
+
+
+def assert_states_close(got, want, exact: bool):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    np.testing.assert_array_equal(got.count, want.count)
+    for g, w in zip(jax.tree.leaves(got.mu) + jax.tree.leaves(got.nu),
+                    jax.tree.leaves(want.mu) + jax.tree.leaves(want.nu), strict=True):  # fmt: skip
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+        if exact:
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+        else:  # codes of a few values or one k may sit on the other side of a rounding step
+            assert np.mean(~np.isclose(g, w, rtol=1e-6, atol=0)) < 2e-3
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_equals_optax_chain(grad_dtype):
+    params, grads, state, adam = fresh(grad_dtype)
+    want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s))(params, grads, state)
+    got_p, got_s = fused_step("reference", params, grads, state)
+    assert_params_close(got_p, want_p, params, grad_dtype)
+    assert_states_close(got_s, want_s, exact=True)
+
+
+KERNEL_MODES = ["interpret"] + (["pallas"] if dispatch.hopper_gpu() else [])
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(k, id={"pallas": "compiled"}.get(k, k))
+                                     for k in KERNEL_MODES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("grad_dtype", "expansion", "nu_format"),
+    [(jnp.float32, True, "e4m3"), (jnp.bfloat16, True, "e5m2"), (jnp.float32, False, "e4m3")],
+)
+def test_kernel_equals_optax_chain(grad_dtype, expansion, nu_format, kernels):
+    params, grads, state, adam = fresh(grad_dtype, expansion=expansion, nu_format=nu_format)
+    # "w" and "deep" take the kernel; "ragged" (groups of 65) and "scale" (fp32 moments) fall back
+    takes = lambda k: adam_update._kernel_takes(
+        params[k], grads[k], state.mu[k], state.nu[k], adam_update.AdamStepTuning()
+    )
+    assert takes("w") and takes("deep") and not takes("ragged") and not takes("scale")
+    want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s))(params, grads, state)
+    got_p, got_s = fused_step(kernels, params, grads, state)
+    assert_params_close(got_p, want_p, params, grad_dtype)
+    assert_states_close(got_s, want_s, exact=False)
+
+
+def test_clip_scale_and_schedule():
+    params, grads, state, adam = fresh(jnp.float32)
+    schedule = optax.linear_schedule(LR, 0.0, 10)
+    scaled = jax.tree.map(lambda g: g * 0.25, grads)
+    want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s, lr=schedule))(
+        params, scaled, state
+    )
+    for kernels in ("reference", *KERNEL_MODES):
+        got_p, got_s = fused_step(kernels, params, grads, state, lr=schedule, clip=0.25)
+        assert_params_close(got_p, want_p, params, jnp.float32)
+        assert_states_close(got_s, want_s, exact=kernels == "reference")
+
+
+def test_non_finite_gradients_like_the_chain():
+    params, grads, state, adam = fresh(jnp.float32)
+    grads["w"] = grads["w"].at[3, 200].set(jnp.nan).at[7, 5].set(jnp.inf)
+    want_p, want_s = chain_step(adam, params, grads, state)
+    for kernels in ("reference", *KERNEL_MODES):
+        got_p, got_s = fused_step(kernels, params, grads, state)
+        np.testing.assert_array_equal(np.isnan(got_p["w"]), np.isnan(want_p["w"]))
+        assert np.isnan(got_p["w"]).sum() >= 2
+        for got, want in ((got_s.mu["w"], want_s.mu["w"]), (got_s.nu["w"], want_s.nu["w"])):
+            np.testing.assert_array_equal(np.isfinite(got.amax), np.isfinite(want.amax))
+        finite = np.isfinite(np.asarray(want_p["w"]))
+        np.testing.assert_allclose(
+            got_p["w"][finite], want_p["w"][finite], rtol=1e-6, atol=1e-6 * LR
+        )
+
+
+def test_mask_must_be_static_and_wrapper_is_exported():
+    params, grads, state, _ = fresh(jnp.float32, steps=0)
+    with pytest.raises(TypeError, match="Python bools"):
+        adam_update.fp8_adamw_update(
+            params, grads, state, LR, mask=jax.tree.map(lambda _: jnp.array(True), MASK)
+        )
+    got, _ = coat_jax.optim.fused_fp8_adamw_update(params, grads, state, LR, kernels="reference")
+    assert jax.tree.structure(got) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("approx_log", [True, False])
+def test_kernels_lower_to_triton_for_cuda(approx_log):
+    """Without a GPU: both optimizer kernels (inline PTX log included) lower to Triton IR."""
+    params, grads, state, _ = fresh(jnp.float32, steps=0)
+    p, g, mu, nu = params["w"], grads["w"], state.mu["w"], state.nu["w"]
+    tuning = adam_update.AdamStepTuning(approx_log=approx_log)
+    n, group, br = adam_step.group_rows(mu, tuning)
+    moments = adam_step.moment_operands(mu, nu, n, group)
+    flat = lambda a: a.reshape(n, group)
+    static = (mu.fmt, nu.fmt, True, br)
+    lowered = [
+        adam_update._call.trace(flat(p), flat(g), jnp.zeros((1, adam_update.N_HYPER)), *moments,
+                                static=(*static, True, tuning, False)),
+        adam_step._call.trace(flat(g), jnp.zeros((1, 8)), *moments,
+                              static=(*static, tuning, False)),
+    ]  # fmt: skip
+    for traced in lowered:
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text

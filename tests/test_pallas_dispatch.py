@@ -1,0 +1,103 @@
+"""The one rule for when compiled Pallas kernels run, with the device list monkeypatched."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import coat_jax
+from pallas_kernels import dispatch
+from pallas_kernels import quantize as kq
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    device_kind: str
+    compute_capability: str | None = None
+    platform: str = "gpu"
+
+
+H200 = FakeDevice("NVIDIA H200", "9.0")
+A100 = FakeDevice("NVIDIA A100-SXM4-80GB", "8.0")
+B200 = FakeDevice("NVIDIA B200", "10.0")
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Sets the backend and local devices that ``dispatch`` sees."""
+
+    def use(backend, devs):
+        monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
+        monkeypatch.setattr(dispatch.jax, "local_devices", lambda: list(devs))
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("backend", "devs", "want"),
+    [
+        ("gpu", [H200, H200], True),
+        ("gpu", [FakeDevice("NVIDIA H100 80GB HBM3")], True),  # no capability: by name
+        ("gpu", [FakeDevice("NVIDIA GH200 480GB", "9.0")], True),
+        ("gpu", [A100], False),
+        ("gpu", [B200], False),  # not tested on Blackwell: reference
+        ("gpu", [H200, A100], False),  # mixed hosts: every device must take the kernel
+        ("gpu", [], False),
+        ("cpu", [FakeDevice("cpu", None, "cpu")], False),
+        ("cpu", [H200], False),  # the backend decides first
+    ],
+)
+def test_hopper_rule(devices, backend, devs, want):
+    devices(backend, devs)
+    assert dispatch.hopper_gpu() is want
+
+
+@pytest.mark.parametrize("family", sorted(dispatch.AUTO_USES_KERNEL))
+def test_resolve_modes(devices, monkeypatch, family):
+    devices("gpu", [H200])
+    assert dispatch.resolve("pallas", family) == "pallas"
+    assert dispatch.resolve("interpret", family) == "interpret"
+    assert dispatch.resolve("reference", family) == "reference"
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, family, False)
+    assert dispatch.resolve("auto", family) == "reference"
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, family, True)
+    assert dispatch.resolve("auto", family) == "pallas"
+    devices("gpu", [A100])  # a measured win on Hopper says nothing about other GPUs
+    assert dispatch.resolve("auto", family) == "reference"
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        dispatch.resolve("pallas", family)
+
+
+def test_resolve_rejects_unknown_names():
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        dispatch.resolve("triton", "adam_step")
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        dispatch.resolve("auto", "matmul")
+
+
+def test_auto_keeps_the_reference_until_measured():
+    """No family claims a win that no GPU run has shown (see the comments in dispatch.py)."""
+    assert dispatch.AUTO_USES_KERNEL == {"adam_step": False, "adam_update": False}
+
+
+def test_optimizer_routes_through_the_rule(devices, monkeypatch):
+    devices("gpu", [H200])
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", True)
+    from coat_jax import optim
+
+    assert optim._resolve_kernels("auto") is not None
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", False)
+    assert optim._resolve_kernels("auto") is None
+    devices("cpu", [FakeDevice("cpu", None, "cpu")])
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        coat_jax.fp8_adamw(1e-3, kernels="pallas")
+
+
+def test_quantize_refuses_to_compile_off_hopper(devices):
+    devices("gpu", [A100])
+    with pytest.raises(ValueError, match="interpret=True"):
+        kq.quantize_per_group(jnp.ones((4, 32)), "e4m3", 16)
+    # interpret mode and untileable shapes never raise
+    x = jax.random.normal(jax.random.key(0), (4, 130))
+    assert kq.quantize_per_group(x, "e4m3", 16, interpret=True).data.shape == (4, 9, 15)
