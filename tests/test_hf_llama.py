@@ -230,3 +230,95 @@ def test_missing_weights_file_and_shard(good_folder, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match=r"index.json: weight_map.model.norm.weight"):
         hf_llama.load_params(str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: HF folder -> train.py (init_from, its tokenizer, response-only loss) -> export.
+
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)] + ["Q:", "A:"]
+
+
+def write_tokenizer(path):
+    """A word-level tokenizer.json (+ tokenizer_config.json naming the eos) for ``WORDS``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def write_pairs(path, n=64):
+    """Records "Q: a b" -> "A: b a": the response is learnable from the prompt."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.integers(0, 40, 2)
+            f.write(json.dumps({"prompt": f"Q: w{a} w{b}", "response": f"A: w{b} w{a}"}) + "\n")
+
+
+@pytest.mark.slow
+def test_finetune_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    from coat_jax.checkpoint import Checkpointer
+    from coat_jax.tools import export_hf
+
+    pytest.importorskip("tokenizers")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hf_dir, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "out"
+    original = make_hf_model(hf_dir, **VARIANTS["gqa"])
+    write_tokenizer(hf_dir)
+    write_pairs(tmp_path / "pairs.jsonl")
+    cmd = [sys.executable, os.path.join(root, "train.py"),
+           "--config", os.path.join(root, "configs/llama_finetune.py"),
+           f"--config.init_from={hf_dir}", f"--config.data.source={tmp_path / 'pairs.jsonl'}",
+           f"--config.workdir={run}", "--config.steps=12", "--config.seq_len=8",
+           "--config.batch_size=16", "--config.log_interval=4", "--config.eval_interval=12",
+           "--config.checkpoint_interval=12", "--config.optimizer.lr=3e-3",
+           "--config.optimizer.warmup_steps=2", "--config.progress=False"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_config = json.loads((run / "config.json").read_text())
+    assert run_config["data"]["tokenizer"] == str(hf_dir / "tokenizer.json")
+    assert run_config["model"]["n_kv_heads"] == 2 and run_config["model"]["rope_theta"] == 5e5
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["train_loss"] for line in lines]
+    print("fine-tuning losses:", losses)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+    # The run started from the HF weights: it moved them, but not far.
+    files = export_hf.export(str(run), str(out), dtype="float32")
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files)
+    exported = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    flat = lambda model: torch.cat([p.detach().flatten() for p in model.parameters()])
+    before, after = flat(original), flat(exported)
+    change = float((after - before).norm() / before.norm())
+    print("relative weight change:", change)
+    assert 0 < change < 0.5
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 1  # base kept
+
+    # transformers' logits of the export equal ours from the checkpoint.
+    config = hf_llama.read_config(str(out), "bf16")
+    ckpt = Checkpointer(str(run / "checkpoints"))
+    abstract = hf_llama.load_params(str(out), config)[2]
+    params = ckpt.restore_params(12, abstract)
+    ckpt.close()
+    ours = hf_llama.nnx.merge(hf_llama.load_params(str(out), config)[1], params)
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, SEQ))
+    ref = torch_logits(exported, tokens)
+    assert rel_err(ours(jnp.asarray(tokens), compute_dtype=jnp.float32), ref) < 1e-4
+
+    # A coat-jax run is a valid init_from too: same model, params from its latest checkpoint.
+    from coat_jax import finetune
+    from coat_jax.configs import base_config
+
+    c = base_config()
+    c.init_from = str(run)
+    finetune.resolve_init_from(c)
+    assert c.model.dim == 64 and c.data.tokenizer == str(hf_dir / "tokenizer.json")
+    again = finetune.initial_params(c, abstract)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
