@@ -322,3 +322,10 @@ def test_finetune_end_to_end(tmp_path):
     again = finetune.initial_params(c, abstract)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_corrupt_weights_file(good_folder, tmp_path):
+    path = broken_copy(good_folder, tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        hf_llama.load_params(str(path))

@@ -42,7 +42,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16', which safetensors' numpy reader needs)
+import ml_dtypes  # also registers numpy's 'bfloat16', which safetensors' numpy reader needs
 import numpy as np
 from flax import nnx
 
@@ -64,7 +64,8 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+_DTYPES = ("BF16", "F16", "F32")  # read; cast to the param dtype
+_DROPPED = ("rope_parameters", "rope_scaling", "transformers_version")  # rewritten or stale
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")  # fmt: skip
 
@@ -82,6 +83,14 @@ def _safetensors():
 
 def _unbox(x):
     return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
+def _open(file: str):
+    """``safe_open(file)`` (numpy), with a header error naming the file."""
+    try:
+        return _safetensors().safe_open(file, framework="numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def is_hf_folder(path: str) -> bool:
@@ -193,7 +202,7 @@ def config_to_hf(config: LlamaConfig, base: dict | None = None, dtype: str = "bf
     """A ``config.json`` for ``config``; other keys of ``base`` (token ids, context length) are
     kept. RoPE is written as ``rope_theta`` + ``rope_scaling``, which transformers 4 and 5
     both read."""
-    hf = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling")}
+    hf = {k: v for k, v in (base or {}).items() if k not in _DROPPED}
     hf.update(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
@@ -211,7 +220,8 @@ def config_to_hf(config: LlamaConfig, base: dict | None = None, dtype: str = "bf
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
-        torch_dtype=dtype,
+        torch_dtype=dtype,  # transformers 4's name
+        dtype=dtype,  # transformers 5's
     )
     hf.setdefault("max_position_embeddings", 4096)
     if config.rope_scaling != "none":
@@ -275,7 +285,7 @@ def _tensor_files(path: str) -> tuple[str, dict[str, str]]:
     single = os.path.join(path, SINGLE)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found")
-    with _safetensors().safe_open(single, framework="numpy") as f:
+    with _open(single) as f:
         return single, dict.fromkeys(f.keys(), single)
 
 
@@ -294,7 +304,7 @@ def _check_tensors(path: str, config: LlamaConfig) -> dict[str, str]:
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with _safetensors().safe_open(file, framework="numpy") as f:
+        with _open(file) as f:
             keys = set(f.keys())
             for name in names:
                 if name not in keys:
@@ -306,7 +316,7 @@ def _check_tensors(path: str, config: LlamaConfig) -> dict[str, str]:
                                      f"{expected[name]}")  # fmt: skip
                 if dtype not in _DTYPES:
                     raise ValueError(f"{file}: {name}: dtype {dtype} is not supported "
-                                     f"(expected one of {sorted(_DTYPES)})")  # fmt: skip
+                                     f"(expected one of {_DTYPES})")  # fmt: skip
     return files
 
 
@@ -353,7 +363,7 @@ def load_params(
     leaves = []
     for p, var in nnx.to_flat_state(abstract):
         name, _, transposed = names[p]
-        with _safetensors().safe_open(files[name], framework="numpy") as f:
+        with _open(files[name]) as f:
             value = _place(f.get_slice(name), transposed, var.get_value(),
                            flat_shardings.get(p, default))  # fmt: skip
         leaves.append((p, var.replace(value)))
