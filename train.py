@@ -5,6 +5,7 @@
   python train.py --config configs/llama2_7b.py --dry_run        # memory plan, nothing runs
   python train.py --config configs/llama.py --config.resume=True # continue from the latest
   python train.py --config configs/llama2_7b.py --config.mesh.fsdp=-1 --config.mesh.data=1
+  python train.py --config configs/llama_finetune.py --config.init_from=/path/to/hf_llama
 
 Writes to ``config.workdir``: checkpoints/, metrics.jsonl, loss.png, config.json. Runs on every
 visible device (``config.mesh``); started as one of several processes (``JAX_COORDINATOR_ADDRESS``
@@ -26,7 +27,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from coat_jax import configs, data, parallel, planner, sharding, train_loop
+from coat_jax import configs, data, finetune, parallel, planner, sharding, train_loop
 from coat_jax.checkpoint import Checkpointer
 from coat_jax.models.llama import Llama, init_params
 
@@ -56,6 +57,8 @@ def build(config):
     model_config = configs.llama_config(config)
     create = lambda shardings: init_params(model_config, config.seed, shardings)[1]
     graph, params = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
+    if config.init_from:  # the weights to fine-tune, read straight into their shards
+        create = lambda shardings: finetune.initial_params(config, params, shardings)
     optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
     try:
         mesh = sharding.make_mesh(**config.mesh)
@@ -89,11 +92,8 @@ def dry_run(config, model_config, graph, params, optimizer, placement) -> None:
 
 def evaluate(eval_step, params, sampler, batches: int, placement) -> float:
     shape = (sampler.batch_size, sampler.seq_len + 1)
-    losses = []
-    for i in range(batches):
-        rows = lambda r, i=i: sampler.batch(i, "eval", rows=r)
-        losses.append(eval_step(params, parallel.sharded_batch(rows, shape, placement.eval_batch)))
-    return float(np.mean(losses))
+    batch = lambda i: train_loop.global_batch(sampler, i, "eval", shape, placement.eval_batch)
+    return float(np.mean([eval_step(params, batch(i)) for i in range(batches)]))
 
 
 def main(argv):
@@ -101,6 +101,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     config = _CONFIG.value
     try:
+        finetune.resolve_init_from(config)
         configs.validate(config)
         tokenizer, model_config, graph, params, create, optimizer, schedule, placement = build(
             config
@@ -123,10 +124,7 @@ def main(argv):
 def train(config, model_config, graph, params, create, optimizer, schedule, placement, tokenizer):
     """The training loop; ``params`` are abstract (shapes) until created or restored."""
     try:
-        tokens = data.load_tokens(config.data.source, tokenizer, config.data.text_key)
-        sampler = data.BatchSampler(
-            tokens, config.seq_len, config.batch_size, config.seed, config.data.eval_fraction
-        )
+        sampler = data.make_sampler(config, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: config.data: {e}")
     train_step = train_loop.make_train_step(graph, optimizer, placement)
@@ -174,8 +172,7 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, config.steps):
-        rows = lambda r, step=step: sampler.batch(step, rows=r)
-        batch = parallel.sharded_batch(rows, batch_shape, placement.batch)
+        batch = train_loop.global_batch(sampler, step, "train", batch_shape, placement.batch)
         params, opt_state, m = train_step(params, opt_state, batch)
         window_steps += 1
         done = step + 1

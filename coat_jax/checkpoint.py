@@ -64,6 +64,12 @@ class Checkpointer:
         )
         return restored.params, restored.opt_state, restored.meta
 
+    def restore_params(self, step: int, params_like):
+        """Only the params of ``step`` (to fine-tune from a run, or to export it)."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
+        args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+        return self._manager.restore(step, args=args).params
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

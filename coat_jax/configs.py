@@ -19,6 +19,7 @@ from coat_jax.policy import POLICIES
 __all__ = ["base_config", "llama_config", "model_fields", "pretraining_config", "validate"]
 
 OPTIMIZERS = ("fp8_adamw", "adamw")
+DATA_FORMATS = ("text", "prompt_response")
 
 
 def model_fields(preset: str) -> ml_collections.ConfigDict:
@@ -53,8 +54,17 @@ def base_config() -> ml_collections.ConfigDict:
             min_size=16384,
         )
     )
+    c.init_from = ""  # a Hugging Face folder or a coat-jax run to start from (coat_jax.finetune)
     c.data = ml_collections.ConfigDict(
-        dict(source="stdlib", tokenizer="bytes", text_key="text", eval_fraction=0.05)
+        dict(
+            source="stdlib",
+            tokenizer="auto",  # auto (init_from's, else bytes) | bytes | path to tokenizer.json
+            format="text",  # text | prompt_response (.jsonl; loss on the response only)
+            text_key="text",
+            prompt_key="prompt",
+            response_key="response",
+            eval_fraction=0.05,
+        )
     )
     # Device mesh (coat_jax.sharding): examples split over data x fsdp, parameters and FP8
     # optimizer state over fsdp (and tensor); -1 = all remaining devices.
@@ -145,6 +155,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 raise ValueError(
                     f"config.optimizer.{key}={o[key]!r}: expected 'e4m3', 'e5m2' or None"
                 ) from None
+    if c.data.format not in DATA_FORMATS:
+        raise ValueError(f"config.data.format={c.data.format!r}: expected one of {DATA_FORMATS}")
     if not 0 < c.data.eval_fraction < 1:
         raise ValueError(f"config.data.eval_fraction must be in (0, 1), got {c.data.eval_fraction}")
     llama_config(c)  # model shape checks (divisibility, group size, ...) name their field

@@ -8,6 +8,11 @@ Sources (``load_tokens``):
 * a ``.txt`` file or a folder of them; a ``.jsonl`` file (one JSON object a line, field
   ``text_key``); a pre-tokenized ``.bin`` file of uint16 or uint32 tokens (read as a memmap).
 
+Fine-tuning data (:func:`load_examples`, :class:`ExampleSampler`): a ``.jsonl`` of
+prompt/response records; each example is ``prompt + response (+ eos)`` in one row of
+``seq_len + 1`` tokens (truncated, or padded with masked-out zeros) with a loss mask that is 1
+only where the target token belongs to the response.
+
 Tokenizers: :class:`ByteTokenizer` (vocab 256, the default) or a local Hugging Face
 ``tokenizer.json`` through the optional ``tokenizers`` package.
 
@@ -27,15 +32,26 @@ import sysconfig
 
 import numpy as np
 
-__all__ = ["BatchSampler", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "load_tokens"]
+__all__ = [
+    "BatchSampler",
+    "ByteTokenizer",
+    "ExampleSampler",
+    "HFTokenizer",
+    "load_examples",
+    "make_sampler",
+    "load_tokenizer",
+    "load_tokens",
+]
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocab 256, no merges, lossless."""
 
     vocab_size = 256
+    eos_id = None
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        del add_special_tokens  # there are none
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, tokens) -> str:
@@ -43,7 +59,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face ``tokenizer.json`` (needs the ``tokenizers`` package)."""
+    """A local Hugging Face ``tokenizer.json`` (needs the ``tokenizers`` package).
+
+    ``eos_id`` comes from the ``eos_token`` of a ``tokenizer_config.json`` beside it, if any.
+    """
 
     def __init__(self, path: str):
         try:
@@ -52,17 +71,27 @@ class HFTokenizer:
             raise ImportError(f"{path}: install the 'tokenizers' package to use it") from e
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
+        self.eos_id = None
+        config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            self.eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, np.int32)
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.asarray(ids, np.int32)
 
     def decode(self, tokens) -> str:
         return self._tok.decode([int(t) for t in tokens])
 
 
 def load_tokenizer(path: str | None):
-    """``ByteTokenizer()`` for ``None`` / ``"bytes"``, else the ``tokenizer.json`` at ``path``."""
-    if path in (None, "", "bytes"):
+    """``ByteTokenizer()`` for ``None`` / ``"bytes"`` / ``"auto"`` (config default: what
+    :func:`coat_jax.finetune.resolve_init_from` leaves when there is no model folder's
+    tokenizer), else the ``tokenizer.json`` at ``path`` (or in the folder ``path``)."""
+    if path in (None, "", "bytes", "auto"):
         return ByteTokenizer()
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
@@ -163,3 +192,98 @@ class BatchSampler:
         if rows is not None:
             starts = starts[np.asarray(rows)]
         return np.stack([part[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def load_examples(
+    path: str,
+    tokenizer,
+    seq_len: int,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt/response records of a ``.jsonl`` as ``(tokens, mask)``, int32 and bool
+    ``(n, seq_len + 1)``: ``mask[i, j]`` is whether ``tokens[i, j]`` is a response (or the
+    appended eos) token, i.e. a target the loss counts.
+
+    The prompt is encoded with the tokenizer's special tokens (e.g. BOS), the response
+    without, then ``tokenizer.eos_id`` is appended if the tokenizer has one.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a ``.jsonl``, a record without the keys, or a response truncated away.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data source not found: {path}")
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"{path}: prompt/response data must be a .jsonl file")
+    rows, masks = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            for key in (prompt_key, response_key):
+                if not isinstance(record.get(key), str):
+                    raise ValueError(f"{path}:{n}: no text field {key!r} in this record")
+            prompt = tokenizer.encode(record[prompt_key])
+            response = tokenizer.encode(record[response_key], add_special_tokens=False)
+            if tokenizer.eos_id is not None:
+                response = np.append(response, np.int32(tokenizer.eos_id))
+            if len(prompt) >= seq_len + 1:
+                raise ValueError(
+                    f"{path}:{n}: the prompt alone has {len(prompt)} tokens, seq_len is {seq_len}"
+                )
+            tokens = np.zeros(seq_len + 1, np.int32)
+            mask = np.zeros(seq_len + 1, bool)
+            both = np.concatenate([prompt, response])[: seq_len + 1]
+            tokens[: len(both)] = both
+            mask[len(prompt) : len(both)] = True
+            rows.append(tokens)
+            masks.append(mask)
+    if not rows:
+        raise ValueError(f"{path}: no records")
+    return np.stack(rows), np.stack(masks)
+
+
+class ExampleSampler:
+    """Deterministic random batches of whole examples, split into train and eval.
+
+    Batch ``i`` of a split is ``(tokens (batch_size, seq_len + 1), mask (batch_size, seq_len))``,
+    a function of ``(seed, split, i)`` like :class:`BatchSampler`'s; ``mask`` weights the
+    next-token targets ``tokens[:, 1:]`` (see :func:`coat_jax.models.llama.loss_fn`). The last
+    ``eval_fraction`` of the examples (at least one) is held out for evaluation.
+    """
+
+    def __init__(self, tokens, mask, batch_size: int, seed: int, eval_fraction=0.05):
+        if not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        if len(tokens) < 2:
+            raise ValueError(f"data too short: {len(tokens)} example(s), need at least 2")
+        split = min(int(len(tokens) * (1 - eval_fraction)), len(tokens) - 1)
+        self.splits = {
+            "train": (tokens[:split], mask[:split, 1:]),
+            "eval": (tokens[split:], mask[split:, 1:]),
+        }
+        self.batch_size, self.seed, self.seq_len = batch_size, seed, tokens.shape[1] - 1
+
+    def batch(self, index: int, split: str = "train", rows=None) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``index`` of ``split``, or only its examples ``rows`` (as
+        :meth:`BatchSampler.batch`)."""
+        tokens, mask = self.splits[split]
+        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, index])
+        picked = rng.integers(0, len(tokens), size=self.batch_size)
+        if rows is not None:
+            picked = picked[np.asarray(rows)]
+        return tokens[picked], mask[picked]
+
+
+def make_sampler(c, tokenizer):
+    """The sampler a training config ``c`` asks for: :class:`BatchSampler` over
+    ``c.data.source`` (``c.data.format="text"``) or :class:`ExampleSampler` over its
+    prompt/response records (``"prompt_response"``)."""
+    d = c.data
+    if d.format == "prompt_response":
+        tokens, mask = load_examples(d.source, tokenizer, c.seq_len, d.prompt_key, d.response_key)
+        return ExampleSampler(tokens, mask, c.batch_size, c.seed, d.eval_fraction)
+    tokens = load_tokens(d.source, tokenizer, d.text_key)
+    return BatchSampler(tokens, c.seq_len, c.batch_size, c.seed, d.eval_fraction)

@@ -29,11 +29,13 @@ recomputation reproduces the forward's GEMM operand exactly (same values, same s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coat_jax.formats import E4M3, E5M2
 from coat_jax.quant import QuantizedArray, dequantize, quantize
@@ -45,8 +47,10 @@ __all__ = [
     "fp8_norm_project",
     "fp8_project",
     "fp8_swiglu_project",
+    "RopeScaling",
     "rmsnorm",
     "rope",
+    "rope_frequencies",
     "swiglu",
 ]
 
@@ -305,29 +309,84 @@ _fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
 # Rotary position embedding (saves only the positions).
 
 
-def _rope_math(x, positions, theta):
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Context extension of RoPE by rescaled frequencies (Hugging Face ``rope_scaling``).
+
+    ``kind="linear"`` divides every frequency by ``factor`` (position interpolation);
+    ``kind="llama3"`` (Llama 3.1) divides only the low frequencies, those whose wavelength
+    exceeds ``original_max_len / low_freq_factor``, keeps those shorter than
+    ``original_max_len / high_freq_factor``, and blends linearly in between.
+    """
+
+    kind: str = "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"RopeScaling.kind={self.kind!r}: expected 'linear' or 'llama3'")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling: need 0 < low_freq_factor ({self.low_freq_factor}) < "
+                f"high_freq_factor ({self.high_freq_factor})"
+            )
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """The ``head_dim // 2`` angular frequencies ``theta^(-2i/head_dim)``, rescaled (fp32)."""
+    half = head_dim // 2
+    freqs = theta ** (-np.arange(half, dtype=np.float64) / half)
+    if scaling is not None and scaling.kind == "linear":
+        freqs = freqs / scaling.factor
+    elif scaling is not None:  # llama3
+        wavelen = 2 * np.pi / freqs
+        low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+        smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+        freqs = np.where(
+            wavelen > low_wavelen,
+            freqs / scaling.factor,
+            np.where(wavelen < high_wavelen, freqs, blended),
+        )
+    return freqs.astype(np.float32)
+
+
+def _rope_math(x, positions, theta, scaling=None):
+    freqs = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * freqs  # (B, T, half)
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float = 10000.0,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
     """Rotary embedding of ``x (B, T, H, D)`` at integer ``positions (B, T)``, rotating the two
-    halves of ``D`` (Hugging Face Llama layout). Backward rotates by the opposite angle, so only
-    the positions are saved."""
-    return _rope_math(x, positions, theta)
+    halves of ``D`` (Hugging Face Llama layout, so HF q/k weights load without permutation),
+    with frequencies from :func:`rope_frequencies`. Backward rotates by the opposite angle, so
+    only the positions are saved."""
+    return _rope_math(x, positions, theta, scaling)
 
 
-def _rope_fwd(x, positions, theta):
-    return _rope_math(x, positions, theta), positions
+def _rope_fwd(x, positions, theta, scaling):
+    return _rope_math(x, positions, theta, scaling), positions
 
 
-def _rope_bwd(theta, positions, dy):
-    return _rope_math(dy, -positions, theta), None
+def _rope_bwd(theta, scaling, positions, dy):
+    return _rope_math(dy, -positions, theta, scaling), None
 
 
 rope.defvjp(_rope_fwd, _rope_bwd)

@@ -47,6 +47,7 @@ class Attention(nnx.Module):
         *,
         policy: Policy,
         rope_theta: float = 10000.0,
+        rope_scaling: flow.RopeScaling | None = None,
         norm_eps: float = 1e-5,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -58,6 +59,7 @@ class Attention(nnx.Module):
             )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.policy, self.rope_theta, self.norm_eps = policy, rope_theta, norm_eps
+        self.rope_scaling = rope_scaling
         kv = n_kv_heads * self.head_dim
         self.norm = _ones(dim, param_dtype)
         self.wq = _dense(rngs, dim, dim, ("embed", "q_heads"), param_dtype)
@@ -70,8 +72,9 @@ class Attention(nnx.Module):
         q, k, v = self.policy.norm_project(
             x, self.norm[...], (self.wq[...], self.wk[...], self.wv[...]), self.norm_eps
         )
-        q = flow.rope(q.reshape(b, t, self.n_heads, self.head_dim), positions, self.rope_theta)
-        k = flow.rope(k.reshape(b, t, self.n_kv_heads, self.head_dim), positions, self.rope_theta)
+        rope = lambda y: flow.rope(y, positions, self.rope_theta, self.rope_scaling)
+        q = rope(q.reshape(b, t, self.n_heads, self.head_dim))
+        k = rope(k.reshape(b, t, self.n_kv_heads, self.head_dim))
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         o = flow.attention(q, k, v).reshape(b, t, -1)
         return self.policy.project(o, self.wo[...])
@@ -115,6 +118,7 @@ class Block(nnx.Module):
         *,
         policy: Policy,
         rope_theta: float = 10000.0,
+        rope_scaling: flow.RopeScaling | None = None,
         norm_eps: float = 1e-5,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -125,6 +129,7 @@ class Block(nnx.Module):
             n_kv_heads,
             policy=policy,
             rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             norm_eps=norm_eps,
             param_dtype=param_dtype,
             rngs=rngs,

@@ -1,6 +1,8 @@
 """Train / eval step builders, the optimizer from a config, and run metrics (JSONL, plot, MFU).
 
-One optimizer step consumes ``batch (grad_accum, micro_batch, seq_len + 1)`` tokens: gradients
+One optimizer step consumes ``batch (grad_accum, micro_batch, seq_len + 1)`` tokens, or a pair
+``(tokens, mask (grad_accum, micro_batch, seq_len))`` whose mask selects the targets the loss
+counts (fine-tuning on responses only; each micro-batch's loss is its masked mean): gradients
 are summed over the micro-batches in fp32 under ``lax.scan`` and averaged. Weight quantization
 inside the model is loop-invariant there, so XLA computes the FP8 weights once per step.
 """
@@ -17,10 +19,13 @@ import optax
 from flax import nnx
 
 import coat_jax
+from coat_jax import parallel
+from coat_jax.data import ExampleSampler
 from coat_jax.models.llama import LlamaConfig, loss_fn
 
 __all__ = [
     "flops_per_token",
+    "global_batch",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
@@ -68,13 +73,30 @@ def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.S
     return opt, schedule
 
 
+def _batch_loss(graph, params, batch):
+    tokens, mask = batch if isinstance(batch, tuple) else (batch, None)
+    return loss_fn(nnx.merge(graph, params), tokens, mask)
+
+
+def global_batch(sampler, index: int, split: str, shape, target):
+    """Batch ``index`` of ``split`` as global arrays with sharding ``target``, each process
+    reading only its rows (:func:`coat_jax.parallel.sharded_batch`): tokens of ``shape``, or
+    ``(tokens, mask)`` from an :class:`~coat_jax.data.ExampleSampler` (mask: ``seq_len``)."""
+    rows = lambda r: sampler.batch(index, split, rows=r)
+    if not isinstance(sampler, ExampleSampler):
+        return parallel.sharded_batch(rows, shape, target)
+    tokens = parallel.sharded_batch(lambda r: rows(r)[0], shape, target)
+    mask = parallel.sharded_batch(lambda r: rows(r)[1], (*shape[:-1], shape[-1] - 1), target)
+    return tokens, mask
+
+
 def make_train_step(graph, optimizer, placement=None):
     """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm})``, jitted with
     params and optimizer state donated; with a :class:`coat_jax.parallel.Placement`, its inputs
     and outputs stay in their shards (call it under ``jax.set_mesh(placement.mesh)``)."""
 
     def micro_loss(params, tokens):
-        return loss_fn(nnx.merge(graph, params), tokens)
+        return _batch_loss(graph, params, tokens)
 
     def step(params, opt_state, batch):
         def accumulate(grads, tokens):
@@ -83,7 +105,7 @@ def make_train_step(graph, optimizer, placement=None):
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         grads, losses = jax.lax.scan(accumulate, zeros, batch)
-        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+        grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.global_norm(grads)}
@@ -100,8 +122,9 @@ def make_train_step(graph, optimizer, placement=None):
 
 
 def make_eval_step(graph, placement=None):
-    """``eval_step(params, tokens) -> loss``, jitted (sharded like the train step)."""
-    loss = lambda params, tokens: loss_fn(nnx.merge(graph, params), tokens)
+    """``eval_step(params, batch) -> loss``, jitted (sharded like the train step; ``batch``:
+    tokens or ``(tokens, mask)``)."""
+    loss = lambda params, batch: _batch_loss(graph, params, batch)
     if placement is None:
         return jax.jit(loss)
     return jax.jit(

@@ -82,3 +82,30 @@ def test_sampler_rejects_short_data():
 def test_missing_tokenizer_file():
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         data.load_tokenizer("/nonexistent/tokenizer.json")
+
+
+def test_prompt_response_examples_mask_only_the_response(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    records = [{"prompt": "ab", "response": "cde"}, {"prompt": "xyz", "response": "0123456789"}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    tokens, mask = data.load_examples(str(path), data.ByteTokenizer(), seq_len=7)
+    assert tokens.shape == mask.shape == (2, 8) and tokens.dtype == np.int32
+    assert bytes(tokens[0, :5].tolist()) == b"abcde" and not tokens[0, 5:].any()  # padded
+    assert mask[0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert bytes(tokens[1].tolist()) == b"xyz01234" and mask[1].tolist() == [0] * 3 + [1] * 5
+    sampler = data.ExampleSampler(tokens, mask, batch_size=3, seed=0, eval_fraction=0.5)
+    batch_tokens, batch_mask = sampler.batch(0)
+    assert batch_tokens.shape == (3, 8) and batch_mask.shape == (3, 7)  # mask of the targets
+    np.testing.assert_array_equal(batch_mask, mask[:1, 1:].repeat(3, 0))  # train = example 0
+    np.testing.assert_array_equal(sampler.batch(5, "eval")[0], tokens[[1, 1, 1]])
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [('{"prompt": "a"}', "pairs.jsonl:1: no text field 'response'"),
+     ('{"prompt": "0123456789", "response": "b"}', "pairs.jsonl:1: the prompt alone")],
+)  # fmt: skip
+def test_bad_prompt_response_records(tmp_path, line, match):
+    (tmp_path / "pairs.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match=match):
+        data.load_examples(str(tmp_path / "pairs.jsonl"), data.ByteTokenizer(), seq_len=4)

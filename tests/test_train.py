@@ -119,6 +119,8 @@ def test_existing_checkpoints_are_never_overwritten_without_resume(tmp_path):
         ("--config.optimizer.mu_format=e3m4", "config.optimizer.mu_format"),
         ("--config.data.source=/nonexistent.txt", "config.data: data source not found"),
         ("--config.steps=abc", "steps"),
+        ("--config.init_from=/nonexistent", "config.init_from='/nonexistent': no such folder"),
+        ("--config.data.format=chat", "config.data.format='chat'"),
     ],
 )
 def test_bad_config_fails_fast_naming_the_key(tmp_path, override, match):
@@ -134,7 +136,9 @@ def load_config(name):
     return module.get_config()
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tiny", "llama2_7b", "llama3_8b"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_tiny", "llama2_7b", "llama3_8b", "llama_finetune"]
+)
 def test_shipped_configs_validate(name):
     config = load_config(name)
     validate(config)

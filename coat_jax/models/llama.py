@@ -30,6 +30,10 @@ class LlamaConfig:
       n_kv_heads: key/value heads (GQA); ``None`` means ``n_heads``.
       ffn_dim: SwiGLU MLP width.
       rope_theta: RoPE base.
+      rope_scaling: ``"none"``, ``"linear"`` or ``"llama3"`` (see
+        :class:`~coat_jax.flow.RopeScaling`), with ``rope_factor``, ``rope_low_freq_factor``,
+        ``rope_high_freq_factor`` and ``rope_original_max_len`` (Hugging Face's
+        ``original_max_position_embeddings``); the last three matter for ``"llama3"`` only.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix as the LM head.
       precision: ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
@@ -42,6 +46,11 @@ class LlamaConfig:
     n_kv_heads: int | None = None
     ffn_dim: int = 11008
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     precision: str = "coat"
@@ -57,6 +66,12 @@ class LlamaConfig:
                 f"LlamaConfig: dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {kv} need "
                 "dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim"
             )
+        if self.rope_scaling not in ("none", "linear", "llama3"):
+            raise ValueError(
+                f"LlamaConfig.rope_scaling={self.rope_scaling!r}: expected 'none', 'linear' "
+                "or 'llama3'"
+            )
+        self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
         if self.precision == "coat":
             for name in ("dim", "ffn_dim"):
@@ -73,6 +88,21 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def rope(self) -> flow.RopeScaling | None:
+        """The RoPE frequency scaling, ``None`` for plain RoPE."""
+        if self.rope_scaling == "none":
+            return None
+        try:
+            return flow.RopeScaling(
+                self.rope_scaling,
+                float(self.rope_factor),
+                float(self.rope_low_freq_factor),
+                float(self.rope_high_freq_factor),
+                int(self.rope_original_max_len),
+            )
+        except ValueError as e:
+            raise ValueError(f"LlamaConfig: {e}") from None
 
     def num_params(self) -> int:
         kv = self.kv_heads * self.head_dim
@@ -98,6 +128,7 @@ def make_block(config: LlamaConfig, policy, param_dtype, rngs: nnx.Rngs) -> Bloc
         config.ffn_dim,
         policy=policy,
         rope_theta=config.rope_theta,
+        rope_scaling=config.rope(),
         norm_eps=config.norm_eps,
         param_dtype=param_dtype,
         rngs=rngs,

@@ -1,0 +1,98 @@
+"""Starting a run from existing weights: ``config.init_from``.
+
+``init_from`` is either
+
+* a Hugging Face Llama folder (``config.json`` + safetensors, :mod:`coat_jax.models.hf_llama`):
+  its ``config.json`` replaces ``config.model``, its ``tokenizer.json`` (if any) is the data
+  tokenizer when ``config.data.tokenizer`` is ``"auto"``, and its weights are the initial params;
+* a coat-jax run (its ``workdir``, or the ``checkpoints`` folder in it): that run's
+  ``config.model`` and tokenizer, and the params of its latest checkpoint (not its optimizer
+  state: the new run starts its own schedule).
+
+:func:`resolve_init_from` runs before the config is validated (it only reads small JSON
+files); :func:`initial_params` then reads the weights into the model's (abstract) params.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+from flax import nnx
+
+from coat_jax.checkpoint import Checkpointer
+from coat_jax.models import hf_llama
+from coat_jax.models.llama import LlamaConfig
+
+__all__ = ["initial_params", "resolve_init_from"]
+
+
+def _run_dirs(path: str) -> tuple[str, str]:
+    """``(workdir, checkpoints dir)`` of a coat-jax run given either."""
+    if os.path.basename(os.path.normpath(path)) == "checkpoints":
+        return os.path.dirname(os.path.normpath(path)), path
+    return path, os.path.join(path, "checkpoints")
+
+
+def resolve_init_from(c: ml_collections.ConfigDict) -> None:
+    """Fills ``c.model`` and an ``"auto"`` ``c.data.tokenizer`` from ``c.init_from``, in place.
+
+    Raises:
+      FileNotFoundError, ValueError: naming the file and key (``init_from`` is neither kind,
+        or its ``config.json`` is unsupported).
+    """
+    tokenizer = "bytes"
+    if c.init_from:
+        path = c.init_from
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"config.init_from={path!r}: no such folder")
+        workdir, checkpoints = _run_dirs(path)
+        if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
+            model = hf_llama.read_config(path, c.precision)
+            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tokenizer = os.path.join(path, "tokenizer.json")
+        elif os.path.isdir(checkpoints):
+            run_config = os.path.join(workdir, "config.json")
+            if not os.path.isfile(run_config):
+                raise FileNotFoundError(f"{run_config}: not found (init_from's run config)")
+            with open(run_config) as f:
+                run = json.load(f)
+            if "model" not in run:
+                raise ValueError(f"{run_config}: model: missing (not a coat-jax run config)")
+            model = LlamaConfig(**run["model"], precision=c.precision)
+            tokenizer = run.get("data", {}).get("tokenizer", "bytes")
+        else:
+            raise FileNotFoundError(
+                f"config.init_from={path!r}: neither a Hugging Face folder (config.json) nor a "
+                "coat-jax run (checkpoints/)"
+            )
+        fields = {k: getattr(model, k) for k in c.model}
+        fields["n_kv_heads"] = model.kv_heads
+        c.model.update(fields)
+    if c.data.tokenizer == "auto":
+        c.data.tokenizer = tokenizer
+
+
+def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardings=None):
+    """The params to start from: ``c.init_from``'s weights, laid out like ``params_like``
+    (abstract is fine) and placed with ``shardings`` (a tree like the params, optional)."""
+    path = c.init_from
+    workdir, checkpoints = _run_dirs(path)
+    if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
+        dtype = next(iter(nnx.to_flat_state(params_like)))[1].get_value().dtype
+        config = hf_llama.read_config(path, c.precision)
+        _, _, params = hf_llama.load_params(path, config, param_dtype=dtype, shardings=shardings)
+        return params
+    ckpt = Checkpointer(checkpoints)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{checkpoints}: no checkpoint to start from")
+        if shardings is not None:
+            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            params_like = jax.tree.map(place, params_like, shardings)
+        return ckpt.restore_params(step, params_like)
+    finally:
+        ckpt.close()
