@@ -146,7 +146,7 @@ def load_config(name):
     return module.get_config()
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tiny", "llama2_7b", "llama3_8b"])
+@pytest.mark.parametrize("name", ["llama", "llama_tiny", "llama_114m", "llama2_7b", "llama3_8b"])
 def test_shipped_configs_validate(name):
     config = load_config(name)
     validate(config)
