@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
             lr=3e-3,
             min_lr_ratio=0.1,  # cosine decays to lr * min_lr_ratio
             warmup_steps=50,
+            decay_steps=0,  # cosine length; 0 = steps (set it to run one schedule in chunks)
             weight_decay=0.1,
             decay_embeddings=False,  # norms and biases are never decayed
             b1=0.9,
@@ -141,6 +142,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if o.warmup_steps < 0 or o.warmup_steps >= c.steps:
         raise ValueError(
             f"config.optimizer.warmup_steps={o.warmup_steps} must be in [0, steps={c.steps})"
+        )
+    ds = o.decay_steps
+    if isinstance(ds, bool) or not isinstance(ds, int) or ds < 0 or 0 < ds <= o.warmup_steps:
+        raise ValueError(
+            f"config.optimizer.decay_steps={ds!r} must be 0 (= steps) or an int > warmup_steps"
         )
     for key in ("b1", "b2"):
         if not 0 <= o[key] < 1:

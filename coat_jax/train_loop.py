@@ -46,12 +46,13 @@ def decay_mask(params):
 
 
 def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Global-norm clipping, then AdamW or FP8 AdamW with warmup + cosine decay."""
+    """Global-norm clipping, then AdamW or FP8 AdamW with warmup + cosine decay over
+    ``o.decay_steps`` steps (``steps`` when 0)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
         warmup_steps=o.warmup_steps,
-        decay_steps=steps,
+        decay_steps=o.decay_steps or steps,
         end_value=o.lr * o.min_lr_ratio,
     )
     mask = (lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) if o.decay_embeddings else decay_mask

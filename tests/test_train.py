@@ -121,12 +121,24 @@ def test_existing_checkpoints_are_never_overwritten_without_resume(tmp_path):
         ("--config.steps=abc", "steps"),
         ("--config.init_from=/nonexistent", "config.init_from='/nonexistent': no such folder"),
         ("--config.data.format=chat", "config.data.format='chat'"),
+        ("--config.optimizer.decay_steps=3", "config.optimizer.decay_steps"),
     ],
 )
 def test_bad_config_fails_fast_naming_the_key(tmp_path, override, match):
     out = train(tmp_path, override, "--config.grad_accum=4" if "batch_size" in override else "")
     assert out.returncode != 0
     assert match in out.stdout + out.stderr
+
+
+def test_decay_steps_lets_a_run_in_chunks_follow_one_schedule():
+    config = load_config("llama_tiny")
+    whole = train_loop.make_optimizer(config.optimizer, 40)[1]
+    config.optimizer.decay_steps = 40
+    chunk = train_loop.make_optimizer(config.optimizer, 10)[1]  # a first chunk of 10 steps
+    default = train_loop.make_optimizer(load_config("llama_tiny").optimizer, 10)[1]
+    steps = np.arange(10)
+    np.testing.assert_array_equal(chunk(steps), whole(steps))
+    assert float(default(9)) != float(whole(9))  # without it the cosine ends at the chunk
 
 
 def load_config(name):
@@ -137,7 +149,7 @@ def load_config(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tiny", "llama2_7b", "llama3_8b", "llama_finetune"]
+    "name", ["llama", "llama_tiny", "llama_114m", "llama2_7b", "llama3_8b", "llama_finetune"]
 )
 def test_shipped_configs_validate(name):
     config = load_config(name)

@@ -1,0 +1,467 @@
+"""End-to-end train step per policy: peak memory, largest batch, tokens/s and MFU (COAT Table 3).
+
+COAT (arXiv 2410.19313) reports for Llama-2-7B at context 2048 on H100s 80 GB: 1.54x less peak
+memory than BF16 at the same batch (4 GPUs, batch 2), twice the largest batch, 1.45x-1.85x the
+tokens/s (``PAPER`` below). This script measures the same three things on one device for
+``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like FP8 GEMMs) and
+``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios against our
+targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
+
+Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for the 1.1B):
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --time_budget_s 900 \\
+      --json bench/results/e2e_llama2_7b_h200_$(date +%F).json
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b \\
+      --time_budget_s 300 --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
+  # any shape: --model llama2_7b --set model.n_layers=8 (keys of configs.base_config)
+
+Method. Each policy runs in its own child process (``--one POLICY``), so that the device's
+``peak_bytes_in_use``, which cannot be reset, is that policy's own; children get
+``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem_fraction`` (0.95: the allocator may use 95% of the GPU,
+not JAX's default 75%). The model comes from ``coat_jax.models.llama.init_params`` and the step
+from ``coat_jax.train_loop.make_train_step`` (fp32 master weights and gradients, grad_accum 1,
+params and state donated); data are uniform random tokens (synthetic: the step's cost does not
+depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step:
+
+1. the fixed ``--batch``: compiled (with ``coat_jax.planner.memory_plan``: params, gradients,
+   optimizer state, saved activations, XLA's compiled total), run: ``--warmup`` steps, then the
+   median of ``--steps`` timed steps (``jax.block_until_ready``) gives tokens/s and MFU, and the
+   device's peak memory after it is the policy's peak at that batch. ``slack`` = measured peak -
+   compiled total (XLA's autotuning scratch, allocator rounding; 6% of the plan if not measured);
+2. a probe batch: the planner's analytic model (``params + state + max(activations + 2 logits,
+   gradients) + workspace``, scaled from step 1) predicts the largest batch; the step is compiled
+   there (memory analysis only);
+3. a line through the two compiled totals predicts the largest batch ``b`` with
+   ``total(b) + slack <= device limit``; ``b`` is compiled and run (timed as in 1);
+4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - 1`` is.
+
+Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
+skips them. ``--time_budget_s`` bounds the whole run: each child gets an equal share of what is
+left and skips its remaining search phases once past it; the JSON keeps what was measured.
+Per-phase wall times are printed and stored. On a CPU there is no memory limit or peak:
+those fields are None unless ``--device_limit_gb`` sets a limit to search against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+
+POLICIES = ("bf16+adamw", "fp8_linear+adamw", "coat+fp8_adamw")
+BASELINE = "bf16+adamw"
+TARGETS = {"peak_memory_ratio_same_batch": 1.7, "max_batch_ratio": 4.0, "tokens_per_s_ratio": 1.5}
+# Shapes beyond coat_jax.models.llama.PRESETS (which --model also accepts).
+MODELS = {
+    "tinyllama_1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632),
+    "llama_134m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048),
+}
+# COAT's Table 3 (Llama-2-7B, context 2048, H100 80 GB; tokens/s per GPU). TE = TransformerEngine.
+PAPER = {
+    "source": "Xi et al., COAT, arXiv 2410.19313, Llama-2-7B, context 2048, H100 80 GB",
+    "1 GPU": {"peak_mem_gb": {"bf16": "OOM", "te": "OOM", "coat": 79.3},
+              "max_batch": {"bf16": 0, "coat": 1}, "tokens_per_s": {"coat": 5906}},
+    "2 GPU": {"peak_mem_gb": {"bf16": "OOM", "te": "OOM", "coat": 52.8},
+              "max_batch": {"bf16": 1, "coat": 4},
+              "tokens_per_s": {"bf16": 6130, "te": 6842, "coat": 11351}, "speedup": 1.85},
+    "4 GPU, batch 2": {"peak_mem_gb": {"bf16": 55.1, "te": 51.1, "coat": 35.6},
+                       "memory_ratio": 1.54, "max_batch": {"bf16": 2, "coat": 4},
+                       "tokens_per_s": {"bf16": 7730, "te": 9577, "coat": 11257}, "speedup": 1.45},
+    "8 GPU": {"peak_mem_gb": {"bf16": 41.2, "te": 37.2, "coat": 27.0}, "memory_ratio": 1.52,
+              "max_batch": {"bf16": 4, "coat": 8},
+              "tokens_per_s": {"bf16": 8238, "te": 11704, "coat": 11241}, "speedup": 1.36},
+}  # fmt: skip
+PLAN_KEYS = ("params", "grads", "optimizer_state", "activations_estimate", "logits_estimate",
+             "workspace_estimate", "analytic_total", "compiled_temp", "compiled_total")  # fmt: skip
+# Flags a child inherits from the parent (besides --set).
+FORWARD = ("model", "seq_len", "batch", "steps", "warmup", "max_compiles", "device_limit_gb",
+           "slack_fraction", "cache_dir", "seed")  # fmt: skip
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default="llama2_7b", help="a PRESETS name or " + str(list(MODELS))
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. model.n_layers=8 (repeatable)")  # fmt: skip
+    parser.add_argument("--policies", default=",".join(POLICIES), help="precision+optimizer, ...")
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1, help="the fixed batch (sequences/step)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per batch size")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--max_compiles", type=int, default=4, help="per policy")
+    parser.add_argument("--mem_fraction", type=float, default=0.95,
+                        help="XLA_PYTHON_CLIENT_MEM_FRACTION of each child")  # fmt: skip
+    parser.add_argument("--device_limit_gb", type=float, help="search against this limit instead")
+    parser.add_argument("--slack_fraction", type=float, default=0.06,
+                        help="peak over compiled plan, when no peak is measured")  # fmt: skip
+    parser.add_argument("--cache_dir", default=os.path.join("runs", "xla_cache"),
+                        help="persistent compilation cache")  # fmt: skip
+    parser.add_argument("--time_budget_s", type=float, help="stop searching after this long")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--one", metavar="POLICY", help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # child: where its JSON goes
+    return parser.parse_args(argv)
+
+
+def bench_config(args, policy: str):
+    """The train config of ``policy`` (``"<precision>+<optimizer>"``) for ``args``."""
+    from coat_jax import configs
+    from coat_jax.models.llama import PRESETS
+
+    precision, _, optimizer = policy.partition("+")
+    if args.model in PRESETS:
+        config = configs.pretraining_config(args.model)
+    elif args.model in MODELS:
+        config = configs.pretraining_config("llama2_7b")
+        config.model.update(MODELS[args.model])
+    else:
+        raise ValueError(f"--model {args.model!r}: expected one of {list(PRESETS) + list(MODELS)}")
+    config.precision, config.optimizer.name = precision, optimizer
+    config.seq_len, config.batch_size, config.seed = args.seq_len, args.batch, args.seed
+    for item in args.set:
+        key, _, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    configs.validate(config)
+    return config
+
+
+def is_oom(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def measure(args, policy: str) -> dict:
+    """Child: one policy, in this process; the result is rewritten to ``args.out`` after each
+    phase, so a parent that has to kill it still gets what was measured."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from coat_jax import configs, planner, train_loop
+    from coat_jax.models.llama import Llama, init_params
+
+    started = time.perf_counter()
+    deadline = started + args.time_budget_s if args.time_budget_s else math.inf
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    config = bench_config(args, policy)
+    model_config = configs.llama_config(config)
+    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    graph, abstract = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
+    abstract_state = jax.eval_shape(optimizer.init, abstract)
+    train_step = train_loop.make_train_step(graph, optimizer)
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    limit = args.device_limit_gb * 1e9 if args.device_limit_gb else stats.get("bytes_limit")
+    seq, b0 = args.seq_len, args.batch
+    flops_per_token = train_loop.flops_per_token(model_config, seq)
+    peak_flops = train_loop.peak_flops()
+    result = {
+        "policy": policy, "device": device.device_kind, "jax": jax.__version__,
+        "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
+        "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
+        "phases_s": {},
+    }  # fmt: skip
+
+    def save():
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(result, f, indent=2)
+            os.replace(args.out + ".tmp", args.out)
+
+    @contextlib.contextmanager
+    def phase(name):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            result["phases_s"][name] = round(seconds, 2)
+            print(f"[{policy}] {name}: {seconds:.1f} s", flush=True)
+            save()
+
+    def fresh_state():
+        params = init_params(model_config, args.seed)[1]
+        return params, jax.block_until_ready(jax.jit(optimizer.init)(params))
+
+    compiled, plans = {}, {}
+
+    def compile_at(b):
+        batch = jax.ShapeDtypeStruct((1, b, seq + 1), jnp.int32)
+        with phase(f"compile batch {b}"):
+            plans[b] = planner.memory_plan(
+                train_step, graph, abstract, abstract_state, batch, model_config
+            )
+            compiled[b] = train_step.lower(abstract, abstract_state, batch).compile()  # cached
+        result["compiles"] += 1
+        result["plans"][str(b)] = {k: plans[b][k] for k in PLAN_KEYS}
+        return compiled[b]
+
+    def run_at(b, params, opt_state):
+        """Timed steps at batch ``b``: (row, params, opt_state); re-created after an OOM."""
+        tokens = jax.random.randint(jax.random.key(b), (1, b, seq + 1), 0, model_config.vocab_size)
+        times, step = [], compiled[b]
+        try:
+            with phase(f"run batch {b}"):
+                for i in range(args.warmup + args.steps):
+                    start = time.perf_counter()
+                    params, opt_state, metrics = step(params, opt_state, tokens)
+                    jax.block_until_ready(metrics)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - start)
+        except Exception as e:  # noqa: BLE001 - only an OOM is expected; others re-raise
+            if not is_oom(e):
+                raise
+            print(f"[{policy}] batch {b}: out of memory", flush=True)
+            if any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
+                with phase("re-init after OOM"):
+                    params, opt_state = fresh_state()
+            return {"batch": b, "oom": True}, params, opt_state
+        seconds = float(np.median(times))
+        peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+        row = {"batch": b, "oom": False, "step_s": seconds, "step_s_min": float(min(times)),
+               "tokens_per_s": b * seq / seconds, "loss": float(metrics["loss"]),
+               "peak_bytes": peak}  # fmt: skip
+        row["mfu"] = flops_per_token * b * seq / seconds / peak_flops if peak_flops else None
+        return row, params, opt_state
+
+    with phase("init params + optimizer state"):
+        params, opt_state = fresh_state()
+    compile_at(b0)
+    plan0 = plans[b0]
+    if limit and plan0["compiled_total"] > limit:
+        result["fixed"] = {"batch": b0, "oom": True, "reason": "compiled plan over the limit"}
+    else:
+        result["fixed"], params, opt_state = run_at(b0, params, opt_state)
+    save()
+    fixed_peak = (result["fixed"] or {}).get("peak_bytes")
+    slack = fixed_peak - plan0["compiled_total"] if fixed_peak else None
+    if slack is None or slack < 0:
+        slack = args.slack_fraction * plan0["compiled_total"]
+    result["slack_bytes"] = slack
+
+    if not limit:
+        result["search"] = "skipped: the device reports no memory limit (see --device_limit_gb)"
+        save()
+        return result
+    fits = lambda b: plans[b]["compiled_total"] + slack <= limit
+
+    def analytic(b):  # the planner's analytic total at batch b, scaled from the fixed batch
+        per = lambda key: plan0[key] / b0
+        activations = (per("activations_estimate") + 2 * per("logits_estimate")) * b
+        return (plan0["params"] + plan0["optimizer_state"] + max(activations, plan0["grads"])
+                + per("workspace_estimate") * b)  # fmt: skip
+
+    b_analytic = 0
+    while b_analytic < 4096 and analytic(b_analytic + 1) + slack <= limit:
+        b_analytic += 1
+    result["predicted_max_batch_analytic"] = b_analytic
+    if result["fixed"]["oom"]:
+        if b0 == 1:
+            result.update(max_batch=0, search="done: batch 1 does not fit")
+            save()
+            return result
+        probe = max(1, min(b_analytic, b0 - 1))
+    else:
+        probe = max(b_analytic, b0 + 1)
+    if time.perf_counter() > deadline:
+        result["search"] = "stopped: time budget (before the probe compile)"
+        save()
+        return result
+    compile_at(probe)
+    (lo, t_lo), (hi, t_hi) = sorted((b, plans[b]["compiled_total"]) for b in (b0, probe))
+    slope = (t_hi - t_lo) / (hi - lo)
+    b = (
+        probe
+        if slope <= 0
+        else probe + math.floor((limit - slack - plans[probe]["compiled_total"]) / slope)
+    )
+    b = min(max(b, 1), 4 * max(probe, b0))
+    result["predicted_max_batch"] = b
+    result["compiled_bytes_per_sequence"] = slope
+    result["search"] = "done"
+    while True:
+        if b < 1:
+            result["max_batch"] = 0
+            break
+        if b == b0 and not result["fixed"]["oom"]:
+            result["max_batch"], result["max"] = b0, result["fixed"]
+            break
+        if time.perf_counter() > deadline:
+            result["search"] = f"stopped: time budget (before trying batch {b})"
+            break
+        if b not in compiled:
+            if result["compiles"] >= args.max_compiles:
+                result["search"] = f"stopped: {args.max_compiles} compiles (before batch {b})"
+                break
+            compile_at(b)
+        if not fits(b):
+            print(f"[{policy}] batch {b}: plan + slack over the limit, backing off", flush=True)
+            b -= 1
+            continue
+        row, params, opt_state = run_at(b, params, opt_state)
+        if not row["oom"]:
+            result["max_batch"], result["max"] = b, row
+            break
+        b -= 1
+    save()
+    return result
+
+
+def ratio(num, den):
+    return num / den if num is not None and den else None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Ratios of each policy against the baseline, beside the targets."""
+    base = next((r for r in results if r["policy"] == BASELINE), None)
+    out = {}
+    for r in results:
+        if base is None or r is base or "fixed" not in r or "fixed" not in base:
+            continue
+        rf, bf = r.get("fixed") or {}, base.get("fixed") or {}
+        rplan = r["plans"].get(str(rf.get("batch")), {})
+        bplan = base["plans"].get(str(bf.get("batch")), {})
+        out[r["policy"]] = {
+            "peak_memory_ratio_same_batch": ratio(bf.get("peak_bytes"), rf.get("peak_bytes")),
+            "planned_memory_ratio_same_batch": ratio(
+                bplan.get("compiled_total"), rplan.get("compiled_total")
+            ),
+            "max_batch_ratio": ratio(r.get("max_batch"), base.get("max_batch")),
+            "tokens_per_s_ratio_at_max_batch": ratio(
+                (r.get("max") or {}).get("tokens_per_s"),
+                (base.get("max") or {}).get("tokens_per_s"),
+            ),
+            "tokens_per_s_ratio_same_batch": ratio(rf.get("tokens_per_s"), bf.get("tokens_per_s")),
+        }
+    return out
+
+
+def fmt(value, spec="{:.2f}", none="-"):
+    return none if value is None else spec.format(value)
+
+
+def table(results: list[dict], ratios: dict, batch: int) -> str:
+    gb = lambda b: fmt(b and b / 1e9, "{:.3g}")
+    lines = [
+        f"| policy | peak GB @ batch {batch} | vs bf16 | planned GB | vs bf16 | max batch | "
+        f"vs bf16 | tok/s @ {batch} | MFU | tok/s @ max | MFU | vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        f, m, q = r.get("fixed") or {}, r.get("max") or {}, ratios.get(r["policy"], {})
+        plan = r.get("plans", {}).get(str(f.get("batch")), {})
+        peak = "OOM" if f.get("oom") else gb(f.get("peak_bytes"))
+        lines.append(
+            f"| {r['policy']} | {peak} | {fmt(q.get('peak_memory_ratio_same_batch'), '{:.2f}x')} | "
+            f"{gb(plan.get('compiled_total'))} | "
+            f"{fmt(q.get('planned_memory_ratio_same_batch'), '{:.2f}x')} | "
+            f"{fmt(r.get('max_batch'), '{}')} | {fmt(q.get('max_batch_ratio'), '{:.2f}x')} | "
+            f"{fmt(f.get('tokens_per_s'), '{:.0f}')} | {fmt(f.get('mfu'))} | "
+            f"{fmt(m.get('tokens_per_s'), '{:.0f}')} | {fmt(m.get('mfu'))} | "
+            f"{fmt(q.get('tokens_per_s_ratio_at_max_batch'), '{:.2f}x')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_child(args, policy: str, budget: float | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--out", out]
+        for name in FORWARD:
+            if getattr(args, name) is not None:
+                cmd += [f"--{name}", str(getattr(args, name))]
+        for item in args.set:
+            cmd += ["--set", item]
+        if budget is not None:
+            cmd += ["--time_budget_s", f"{budget:.0f}"]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction))
+        timeout = None if budget is None else budget + 300  # a compile may run past the budget
+        try:
+            returncode = subprocess.run(cmd, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
+        result = {"policy": policy}
+        if os.path.exists(out):
+            with open(out) as f:
+                result = json.load(f)
+        result["returncode"] = returncode
+        return result
+
+
+def main():
+    args = parse_args()
+    if args.one:
+        result = measure(args, args.one)
+        print(json.dumps({k: result[k] for k in ("policy", "max_batch", "search")}))
+        return
+    policies = args.policies.split(",")
+    for policy in policies:
+        bench_config(args, policy)  # fail fast on a bad policy, model or override
+    started = time.perf_counter()
+    results = []
+    for i, policy in enumerate(policies):
+        budget = None
+        if args.time_budget_s:
+            left = args.time_budget_s - (time.perf_counter() - started)
+            if left <= 0:
+                results.append({"policy": policy, "skipped": "time budget"})
+                continue
+            budget = left / (len(policies) - i)
+        print(f"== {policy} (budget {fmt(budget, '{:.0f} s', 'none')})", flush=True)
+        results.append(run_child(args, policy, budget))
+    ratios = summarize(results)
+    measured = [r for r in results if "device" in r]
+    device = measured[0]["device"] if measured else None
+    limit = measured[0]["device_limit_bytes"] if measured else None
+    config = bench_config(args, policies[0]).model.to_dict()
+    print(
+        f"\n{args.model} ({fmt(measured and measured[0]['params'] / 1e6, '{:.4g}M')} params), "
+        f"seq {args.seq_len}, synthetic tokens, on {device} "
+        f"(limit {fmt(limit and limit / 1e9, '{:.3g} GB')}), jax {jax.__version__}, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    print(table(results, ratios, args.batch))
+    print(f"targets vs bf16: {TARGETS}")
+    if args.json:
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "device": device,
+            "device_limit_bytes": limit,
+            "jax": jax.__version__,
+            "config": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")}
+            | {"model_fields": config},
+            "data": "synthetic: uniform random token ids, a new batch per batch size",
+            "wall_s": time.perf_counter() - started,
+            "results": results,
+            "ratios_vs_bf16": ratios,
+            "targets": TARGETS,
+            "paper": PAPER,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
