@@ -1,6 +1,6 @@
-"""Default config: runs anywhere. On a CPU, a 3.4M-parameter Llama on the embedded corpus
-(about 5 minutes on 2 cores); on a GPU, a 124M-parameter one. Override anything with
-``--config.key=value``."""
+"""Default config: runs anywhere. On a CPU, a 3.0M-parameter Llama on the embedded corpus
+(about 4 minutes on 2 cores); on a GPU, an 85M-parameter one (768 wide, 12 layers).
+Override anything with ``--config.key=value``."""
 
 import jax
 
