@@ -39,7 +39,6 @@ import ast
 import datetime
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -154,15 +153,16 @@ def gaps(summaries: dict) -> dict:
 def plot(curves: dict, path: str) -> None:
     import matplotlib
 
+    from coat_jax import train_loop
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (name, records), color in zip(curves.items(), ("C0", "C1", "C2"), strict=False):
         for ax, key, style in ((axes[0], "train_loss", "-"), (axes[1], "eval_loss", "o-")):
-            points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
-            if points:
-                ax.plot(*zip(*points, strict=True), style, color=color, label=name, alpha=0.85)
+            if points := train_loop.loss_points(records, key):
+                ax.plot(*points, style, color=color, label=name, alpha=0.85)
     for ax, title in zip(axes, ("train loss", "eval loss"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")

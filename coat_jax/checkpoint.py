@@ -17,6 +17,11 @@ import orbax.checkpoint as ocp
 __all__ = ["Checkpointer"]
 
 
+def _abstract(tree):
+    """Restore target: shapes, dtypes and shardings of ``tree`` (arrays or abstract)."""
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
 class Checkpointer:
     """Saves and restores training state under ``<directory>/<step>``.
 
@@ -53,12 +58,11 @@ class Checkpointer:
 
     def restore(self, step: int, params_like, opt_state_like):
         """``(params, opt_state, meta)`` of ``step``, laid out like the given (abstract) trees."""
-        abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract(params_like)),
-                opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
+                params=ocp.args.StandardRestore(_abstract(params_like)),
+                opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)),
                 meta=ocp.args.JsonRestore(),
             ),
         )
@@ -66,8 +70,7 @@ class Checkpointer:
 
     def restore_params(self, step: int, params_like):
         """Only the params of ``step`` (to fine-tune from a run, or to export it)."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
-        args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+        args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_like)))
         return self._manager.restore(step, args=args).params
 
     def wait(self) -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import ml_collections
 from flax import nnx
 
+from coat_jax import parallel
 from coat_jax.checkpoint import Checkpointer
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import LlamaConfig
@@ -91,8 +91,7 @@ def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardin
         if step is None:
             raise FileNotFoundError(f"{checkpoints}: no checkpoint to start from")
         if shardings is not None:
-            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            params_like = jax.tree.map(place, params_like, shardings)
+            params_like = parallel.with_shardings(params_like, shardings)
         return ckpt.restore_params(step, params_like)
     finally:
         ckpt.close()

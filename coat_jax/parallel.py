@@ -33,7 +33,13 @@ from jax.sharding import PartitionSpec as P
 
 from coat_jax import sharding
 
-__all__ = ["Placement", "initialize_from_env", "make_placement", "sharded_batch"]
+__all__ = [
+    "Placement",
+    "initialize_from_env",
+    "make_placement",
+    "sharded_batch",
+    "with_shardings",
+]
 
 
 def initialize_from_env() -> bool:
@@ -55,6 +61,13 @@ def initialize_from_env() -> bool:
         jax.distributed.initialize()  # SLURM / Open MPI: JAX reads its own variables
         return True
     return False
+
+
+def with_shardings(tree, shardings):
+    """``tree``'s shapes and dtypes (``ShapeDtypeStruct``) with ``shardings`` (a tree like it):
+    the target to restore or load arrays straight into their shards."""
+    place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return jax.tree.map(place, tree, shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +98,7 @@ class Placement:
     def abstract(self, params, opt_state):
         """Shapes and dtypes of (``params``, ``opt_state``) with this placement's shardings:
         the target a checkpoint is restored into."""
-        place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        return jax.tree.map(place, params, self.params), jax.tree.map(
-            place, opt_state, self.opt_state
-        )
+        return with_shardings(params, self.params), with_shardings(opt_state, self.opt_state)
 
     def init_opt_state(self, optimizer, params):
         """``optimizer.init(params)``, computed directly in its shards."""

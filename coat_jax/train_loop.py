@@ -26,6 +26,7 @@ from coat_jax.models.llama import LlamaConfig, loss_fn
 __all__ = [
     "flops_per_token",
     "global_batch",
+    "loss_points",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
@@ -172,6 +173,12 @@ class MetricsWriter:
             return [json.loads(line) for line in f if line.strip()]
 
 
+def loss_points(records: list[dict], key: str) -> tuple | None:
+    """``(steps, values)`` of the metrics ``records`` that hold a finite ``key``, else ``None``."""
+    points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+    return tuple(zip(*points, strict=True)) if points else None
+
+
 def plot_metrics(records: list[dict], path: str) -> None:
     """Train and eval loss against step, written to ``path`` (PNG)."""
     import matplotlib
@@ -181,9 +188,8 @@ def plot_metrics(records: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("train_loss", "-"), ("eval_loss", "o-")):
-        points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "))
+        if points := loss_points(records, key):
+            ax.plot(*points, style, label=key.replace("_", " "))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
