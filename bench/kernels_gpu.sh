@@ -9,20 +9,21 @@ set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 DAY=$(date +%F)
+PY=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
-python -c "import jax; print('jax', jax.__version__, jax.devices())"
+$PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 echo "== compiled kernels vs references (pytest -k compiled)"
-timeout 75 python -m pytest -q -p no:cacheprovider -k compiled \
+timeout 75 $PY -m pytest -q -p no:cacheprovider -k compiled \
   tests/test_pallas_adam_step.py tests/test_pallas_adam_update.py tests/test_pallas_quantize.py \
   2>&1 | tail -25 | tee "$OUT/kernel_tests_h200_$DAY.txt"
 
 echo "== tuning sweep (4096 x 11008 fp32)"
-timeout 100 python bench/kernel_sweep.py --iters 5 --inner 10 --json "$OUT/kernel_sweep_h200_$DAY.json"
+timeout 100 $PY bench/kernel_sweep.py --iters 5 --inner 10 --json "$OUT/kernel_sweep_h200_$DAY.json"
 
 echo "== kernels vs XLA (8192 x 8192)"
-timeout 40 python bench/kernels.py --iters 10 --inner 10 --json "$OUT/kernels_h200_$DAY.json"
+timeout 40 $PY bench/kernels.py --iters 10 --inner 10 --json "$OUT/kernels_h200_$DAY.json"
 
 echo "== optimizer step, 1.01B params"
-timeout 90 python bench/optimizer.py --steps 10 --json "$OUT/optimizer_h200_$DAY.json"
+timeout 90 $PY bench/optimizer.py --steps 10 --json "$OUT/optimizer_h200_$DAY.json"
