@@ -74,11 +74,19 @@ def build(config):
     return tokenizer, model_config, graph, params, create, optimizer, schedule, placement
 
 
-def dry_run(config, model_config, graph, params, optimizer, placement) -> None:
+def make_step(config, graph, optimizer, schedule, placement):
+    """The jitted train step, with the fused optimizer kernel where it runs."""
+    fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
+    if fused is not None:
+        log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
+    return train_loop.make_train_step(graph, optimizer, placement, fused_update=fused)
+
+
+def dry_run(config, model_config, graph, params, optimizer, schedule, placement) -> None:
     opt_state = jax.eval_shape(optimizer.init, params)
     micro = config.batch_size // config.grad_accum
     batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
-    step = train_loop.make_train_step(graph, optimizer, placement)
+    step = make_step(config, graph, optimizer, schedule, placement)
     plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config, placement)
     run = f"{config.precision}, {config.optimizer.name}, batch {config.batch_size} x seq "
     mesh = ", ".join(f"{k} {v}" for k, v in placement.mesh.shape.items())
@@ -115,7 +123,7 @@ def main(argv):
         f"({jax.process_count()} processes), mesh {dict(placement.mesh.shape)}")  # fmt: skip
     with jax.set_mesh(placement.mesh):
         if _DRY_RUN.value:
-            dry_run(config, model_config, graph, params, optimizer, placement)
+            dry_run(config, model_config, graph, params, optimizer, schedule, placement)
         else:
             train(config, model_config, graph, params, create, optimizer, schedule, placement,
                   tokenizer)  # fmt: skip
@@ -127,7 +135,7 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
         sampler = data.make_sampler(config, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: config.data: {e}")
-    train_step = train_loop.make_train_step(graph, optimizer, placement)
+    train_step = make_step(config, graph, optimizer, schedule, placement)
     eval_step = train_loop.make_eval_step(graph, placement)
     ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
     metrics = train_loop.MetricsWriter(config.workdir)

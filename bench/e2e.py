@@ -166,10 +166,11 @@ def measure(args, policy: str) -> dict:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     config = bench_config(args, policy)
     model_config = configs.llama_config(config)
-    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
+    fused = train_loop.make_fused_update(config.optimizer, schedule)
     graph, abstract = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
     abstract_state = jax.eval_shape(optimizer.init, abstract)
-    train_step = train_loop.make_train_step(graph, optimizer)
+    train_step = train_loop.make_train_step(graph, optimizer, fused_update=fused)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     limit = args.device_limit_gb * 1e9 if args.device_limit_gb else stats.get("bytes_limit")
@@ -177,7 +178,8 @@ def measure(args, policy: str) -> dict:
     flops_per_token = train_loop.flops_per_token(model_config, seq)
     peak_flops = train_loop.peak_flops()
     result = {
-        "policy": policy, "device": device.device_kind, "jax": jax.__version__,
+        "policy": policy, "fused_optimizer": fused is not None, "device": device.device_kind,
+        "jax": jax.__version__,
         "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
         "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
         "phases_s": {},

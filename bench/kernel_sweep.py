@@ -108,6 +108,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--inner", type=int, default=10, help="launches per timed sample")
     parser.add_argument("--max-candidates", type=int, default=0, help="0: all")
+    parser.add_argument("--kernels", default="", help="substring filter on kernel names")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     interpret = not dispatch.hopper_gpu()
@@ -116,7 +117,19 @@ def main(argv=None):
                            args.iters, args.inner)  # fmt: skip
     copy_gbps = 8 * n / copy_ms / 1e6
     results = {}
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+
+    def save():  # after each kernel, so that a run stopped by its time limit keeps what it timed
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                           "interpret": interpret, "shape": [args.rows, args.cols],
+                           "copy_GBps": copy_gbps, "iters": args.iters, "inner": args.inner,
+                           "kernels": results}, f, indent=2)  # fmt: skip
+
     for name, (candidates, make, nbytes) in kernel_cases(args.rows, args.cols, interpret).items():
+        if args.kernels not in name:
+            continue
         if args.max_candidates:
             candidates = candidates[: args.max_candidates]
         rows = []
@@ -129,11 +142,12 @@ def main(argv=None):
             except Exception as e:  # a candidate that does not compile (smem, layout)
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
+            print(f"  {name} {row}", flush=True)
         timed = [r for r in rows if "ms" in r]
         best = min(timed, key=lambda r: r["ms"]) if timed else None
         results[name] = {"bytes": nbytes, "best": best, "candidates": rows}
+        save()
 
-    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     mode = "interpret mode: times are not kernel speed" if interpret else "compiled"
     print(f"\n{args.rows}x{args.cols} fp32, {device} ({mode}); copy {copy_gbps:.0f} GB/s")
     print(
@@ -148,12 +162,6 @@ def main(argv=None):
         t = ", ".join(f"{k}={v}" for k, v in b["tuning"].items())
         print(f"| {name} | {t} | {b['ms']:.3f} | {b['GBps']:.0f} | "
               f"{b['GBps'] / copy_gbps:.0%} | {ok}/{len(r['candidates'])} |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "device": device,
-                       "interpret": interpret, "shape": [args.rows, args.cols],
-                       "copy_GBps": copy_gbps, "iters": args.iters, "inner": args.inner,
-                       "kernels": results}, f, indent=2)  # fmt: skip
     return results
 
 

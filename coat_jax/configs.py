@@ -15,6 +15,7 @@ import ml_collections
 from coat_jax.formats import get_format
 from coat_jax.models.llama import PRESETS, LlamaConfig
 from coat_jax.policy import POLICIES
+from pallas_kernels.dispatch import KERNEL_OPTIONS
 
 __all__ = ["base_config", "llama_config", "model_fields", "pretraining_config", "validate"]
 
@@ -53,6 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
             expansion=True,
             group_size=128,
             min_size=16384,
+            # auto | pallas | reference | interpret: the fused Pallas optimizer kernels
+            # (pallas_kernels.dispatch; auto = on a Hopper GPU where measured faster)
+            kernels="auto",
         )
     )
     c.init_from = ""  # a Hugging Face folder or a coat-jax run to start from (coat_jax.finetune)
@@ -135,6 +139,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     o = c.optimizer
     if o.name not in OPTIMIZERS:
         raise ValueError(f"config.optimizer.name={o.name!r}: expected one of {list(OPTIMIZERS)}")
+    if o.kernels not in KERNEL_OPTIONS:
+        raise ValueError(
+            f"config.optimizer.kernels={o.kernels!r}: expected one of {list(KERNEL_OPTIONS)}"
+        )
     if not o.lr > 0:
         raise ValueError(f"config.optimizer.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

@@ -28,6 +28,7 @@ __all__ = [
     "global_batch",
     "loss_points",
     "make_eval_step",
+    "make_fused_update",
     "make_optimizer",
     "make_train_step",
     "peak_flops",
@@ -46,6 +47,15 @@ def decay_mask(params):
     )
 
 
+def _decay_mask(o):
+    return (lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) if o.decay_embeddings else decay_mask
+
+
+def _counted(s) -> bool:
+    """An optax state NamedTuple with a step ``count`` (Adam's, a schedule's)."""
+    return isinstance(s, tuple) and "count" in getattr(s, "_fields", ())
+
+
 def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping, then AdamW or FP8 AdamW with warmup + cosine decay over
     ``o.decay_steps`` steps (``steps`` when 0)."""
@@ -56,7 +66,7 @@ def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.S
         decay_steps=o.decay_steps or steps,
         end_value=o.lr * o.min_lr_ratio,
     )
-    mask = (lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) if o.decay_embeddings else decay_mask
+    mask = _decay_mask(o)
     common = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
     if o.name == "adamw":
         opt = optax.adamw(schedule, **common)
@@ -69,10 +79,55 @@ def make_optimizer(o, steps: int) -> tuple[optax.GradientTransformation, optax.S
             nu_format=o.nu_format,
             expansion=o.expansion,
             min_size=o.min_size,
+            kernels=o.kernels,
         )
     if o.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(o.grad_clip), opt)
     return opt, schedule
+
+
+def make_fused_update(o, schedule, placement=None):
+    """``update(params, grads, opt_state) -> (params, opt_state)``: :func:`make_optimizer`'s
+    step (clipping, FP8 AdamW, ``optax.apply_updates``) as one fused Pallas pass per parameter
+    (:func:`coat_jax.fused_fp8_adamw_update`), or ``None`` where the kernel does not run.
+
+    It runs for ``fp8_adamw`` when ``o.kernels`` resolves to the compiled or interpreted
+    ``adam_update`` kernel (``"auto"``: on a Hopper GPU once measured faster, see
+    ``pallas_kernels.dispatch``) and the placement is one device (the kernel is not partitioned).
+    The optimizer state keeps ``make_optimizer``'s structure, so checkpoints do not depend on
+    the path: the FP8 moments and every ``count`` in the chain advance as the chain would. The
+    clip scale is ``max_norm / ||g||`` above the threshold, the factor ``clip_by_global_norm``
+    applies (the products round differently: equal to fp32 rounding, not bitwise).
+    """
+    from pallas_kernels import dispatch  # pallas_kernels imports coat_jax, not the reverse
+
+    if o.name != "fp8_adamw" or dispatch.resolve(o.kernels, "adam_update") == "reference":
+        return None
+    if placement is not None and placement.mesh.size > 1:
+        return None
+    mask = _decay_mask(o)
+    kernels = "interpret" if o.kernels == "interpret" else "pallas"
+    is_adam = lambda s: isinstance(s, coat_jax.ScaleByFp8AdamState)
+
+    def update(params, grads, opt_state):
+        (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=_counted) if is_adam(s)]
+        clip = 1.0
+        if o.grad_clip > 0:
+            norm = optax.global_norm(grads)
+            clip = jnp.where(norm < o.grad_clip, 1.0, o.grad_clip / norm)
+        params, new_adam = coat_jax.fused_fp8_adamw_update(
+            params, grads, adam, schedule, b1=o.b1, b2=o.b2, eps=o.eps,
+            weight_decay=o.weight_decay, mask=mask, clip_scale=clip, kernels=kernels,
+        )  # fmt: skip
+
+        def advance(s):  # Adam's state, and every other count (the schedule's) with it
+            if is_adam(s):
+                return new_adam
+            return s._replace(count=new_adam.count) if _counted(s) else s
+
+        return params, jax.tree.map(advance, opt_state, is_leaf=_counted)
+
+    return update
 
 
 def _batch_loss(graph, params, batch):
@@ -92,10 +147,12 @@ def global_batch(sampler, index: int, split: str, shape, target):
     return tokens, mask
 
 
-def make_train_step(graph, optimizer, placement=None):
+def make_train_step(graph, optimizer, placement=None, fused_update=None):
     """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm})``, jitted with
     params and optimizer state donated; with a :class:`coat_jax.parallel.Placement`, its inputs
-    and outputs stay in their shards (call it under ``jax.set_mesh(placement.mesh)``)."""
+    and outputs stay in their shards (call it under ``jax.set_mesh(placement.mesh)``).
+    ``fused_update`` (from :func:`make_fused_update`) replaces ``optimizer.update`` +
+    ``optax.apply_updates`` when given."""
 
     def micro_loss(params, tokens):
         return _batch_loss(graph, params, tokens)
@@ -108,8 +165,11 @@ def make_train_step(graph, optimizer, placement=None):
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         grads, losses = jax.lax.scan(accumulate, zeros, batch)
         grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        if fused_update is not None:
+            params, opt_state = fused_update(params, grads, opt_state)
+        else:
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.global_norm(grads)}
 
     if placement is None:

@@ -87,6 +87,7 @@ def test_bad_input(kwargs, error):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
+@pytest.mark.skipif(dispatch.hopper_gpu(), reason="compiled mode runs on this machine")
 def test_compiled_mode_off_gpu_says_how_to_run():
     with pytest.raises(ValueError, match="interpret=True"):
         kq.quantize_per_group(jnp.ones((4, 32)), "e4m3", 16)
