@@ -274,3 +274,39 @@ def test_gpu_quantize_1x16(m, k, n):
     diff = np.abs(f64(q.data) - f64(want.data)) > 0
     assert diff.mean() < 1e-3, diff.mean()
     _assert_every_tile_close(dequantize(q), c, 0.04)
+
+
+def test_gemm_backend_switch(monkeypatch):
+    from pallas_kernels import dispatch
+
+    monkeypatch.delenv(dispatch.GEMM_ENV, raising=False)
+    assert dispatch.gemm_backend((8, 8, 8)) == "xla"
+    monkeypatch.setenv(dispatch.GEMM_ENV, "cublas")
+    with pytest.raises(ValueError, match="expected one of"):
+        dispatch.gemm_backend()
+    if not dispatch.hopper_gpu():
+        monkeypatch.setenv(dispatch.GEMM_ENV, "auto")
+        assert dispatch.gemm_backend((8192, 4096, 4096)) == "xla"
+        monkeypatch.setenv(dispatch.GEMM_ENV, "pallas")
+        with pytest.raises(ValueError, match="Hopper"):
+            dispatch.gemm_backend()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("contract", [(-1, 0), (-1, 1), (0, 0)])
+def test_gpu_flow_gemm_pallas_matches_xla(monkeypatch, contract):
+    """coat_jax.flow.fp8_gemm with COAT_JAX_GEMM=pallas equals the XLA path (all 3 layouts)."""
+    from coat_jax.flow import fp8_gemm
+    from coat_jax.quant import QuantizedArray
+
+    shapes = {(-1, 0): ((2, 300, 256), (256, 384)), (-1, 1): ((600, 384), (256, 384)),
+              (0, 0): ((600, 256), (600, 384))}  # fmt: skip
+    sa, sb = shapes[contract]
+    a = QuantizedArray(fp8(sa), jnp.float32(3.0))
+    b = QuantizedArray(fp8(sb, E5), jnp.float32(100.0))
+    monkeypatch.setenv("COAT_JAX_GEMM", "xla")
+    want = fp8_gemm(a, b, contract, jnp.float32)
+    monkeypatch.setenv("COAT_JAX_GEMM", "pallas")
+    got = jax.jit(lambda a, b: fp8_gemm(a, b, contract, jnp.float32))(a, b)
+    assert got.shape == want.shape
+    assert rel_fro(got, want) < 1e-4
