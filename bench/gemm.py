@@ -127,7 +127,7 @@ def check(name, fn, ref) -> str | None:
                 got = dequantize(QuantizedArray(codes, amax, None, n))
                 bound = 0.04
             else:
-                got, bound = out, 4e-3
+                got, bound = out, 1e-2
             err = rel_err(got, want)
             if not np.isfinite(np.asarray(jnp.asarray(got, jnp.float32))).all() or err > bound:
                 return f"{(m, k, n)}: rel. Frobenius error {err:.2e} > {bound} (or non-finite)"

