@@ -69,16 +69,35 @@ def fp8_gemm(
 
     FP8 codes feed ``lax.dot_general`` directly with fp32 accumulation, the pattern that XLA
     rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product and
-    the cast to ``out_dtype`` joins the GEMM's epilogue there.
+    the cast to ``out_dtype`` joins the GEMM's epilogue there. With ``COAT_JAX_GEMM=pallas``
+    (or ``auto`` and a measured win, :func:`pallas_kernels.dispatch.gemm_backend`) on a Hopper
+    GPU the Pallas wgmma kernel runs instead (:mod:`pallas_kernels.fp8_matmul`; operands moved
+    to K-major first, a copy for each operand whose contracted axis is not its last).
 
     Args:
       a, b: per-tensor :class:`QuantizedArray` operands.
       contract: the contracted axis of ``a`` and of ``b``.
       out_dtype: dtype of the result.
     """
-    dims = (((contract[0] % a.data.ndim,), (contract[1] % b.data.ndim,)), ((), ()))
+    ca, cb = contract[0] % a.data.ndim, contract[1] % b.data.ndim
+    k = a.data.shape[ca]
+    m, n = a.data.size // max(k, 1), b.data.size // max(k, 1)
+    if jnp.dtype(out_dtype) in _PALLAS_OUT and _gemm_backend((m, k, n)) == "pallas":
+        from pallas_kernels.fp8_matmul import fp8_dot_general
+
+        return fp8_dot_general(a.data, b.data, a.scale * b.scale, (ca, cb), out_dtype)
+    dims = (((ca,), (cb,)), ((), ()))
     out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.float32)
     return (out * (a.scale * b.scale)).astype(out_dtype)
+
+
+_PALLAS_OUT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _gemm_backend(shape) -> str:
+    from pallas_kernels.dispatch import gemm_backend
+
+    return gemm_backend(shape)
 
 
 def _quantize_grad(dy):

@@ -19,9 +19,21 @@ back to the reference inside each family's wrapper, without error, whatever the 
 
 from __future__ import annotations
 
+import os
+
 import jax
 
-__all__ = ["AUTO_USES_KERNEL", "KERNEL_OPTIONS", "check_compiled", "hopper_gpu", "resolve"]
+__all__ = [
+    "AUTO_USES_KERNEL",
+    "GEMM_AUTO_USES_KERNEL",
+    "GEMM_BACKENDS",
+    "GEMM_PALLAS_FASTER",
+    "KERNEL_OPTIONS",
+    "check_compiled",
+    "gemm_backend",
+    "hopper_gpu",
+    "resolve",
+]
 
 KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
 
@@ -86,3 +98,39 @@ def check_compiled(interpret: bool, who: str) -> None:
             f"{who} compiles for a Hopper GPU, not {jax.default_backend()}; pass "
             "interpret=True to run the kernel here, or use the coat_jax reference"
         )
+
+
+GEMM_BACKENDS = ("xla", "pallas", "auto")
+GEMM_ENV = "COAT_JAX_GEMM"
+
+GEMM_AUTO_USES_KERNEL = False
+"""Whether ``COAT_JAX_GEMM=auto`` picks the Pallas per-tensor FP8 GEMM
+(pallas_kernels/fp8_matmul.py) for shapes missing from :data:`GEMM_PALLAS_FASTER`: not yet
+measured against XLA's cuBLASLt FP8 on a GPU."""
+
+GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {}
+"""Per ``(M, K, N)`` of a per-tensor FP8 GEMM, whether bench/gemm.py measured the Pallas kernel
+faster than XLA's cuBLASLt FP8 on a Hopper GPU (``"auto"`` uses it there; shapes not listed
+follow :data:`GEMM_AUTO_USES_KERNEL`). Fill from a dated bench/results/gemm_*.json."""
+
+
+def gemm_backend(shape: tuple[int, int, int] | None = None) -> str:
+    """``"xla"`` or ``"pallas"``: the backend of :func:`coat_jax.flow.fp8_gemm`, chosen at trace
+    time by the environment variable ``COAT_JAX_GEMM`` (default ``"xla"``):
+
+    * ``"xla"``: FP8 codes into ``lax.dot_general`` (XLA's cuBLASLt FP8 rewrite on a GPU).
+    * ``"pallas"``: the Pallas wgmma kernel; a ``ValueError`` off a Hopper GPU.
+    * ``"auto"``: Pallas on Hopper where :data:`GEMM_PALLAS_FASTER` says so for ``shape``
+      ``(M, K, N)``, else XLA.
+    """
+    choice = os.environ.get(GEMM_ENV, "xla").lower()
+    if choice not in GEMM_BACKENDS:
+        raise ValueError(f"{GEMM_ENV}={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+    if choice == "pallas":
+        if not hopper_gpu():
+            raise ValueError(f"{GEMM_ENV}=pallas needs a Hopper GPU; use 'auto' or 'xla'")
+        return "pallas"
+    if choice == "auto" and hopper_gpu():
+        faster = GEMM_PALLAS_FASTER.get(shape, GEMM_AUTO_USES_KERNEL)
+        return "pallas" if faster else "xla"
+    return "xla"

@@ -1,0 +1,203 @@
+"""FP8 GEMMs on a Hopper GPU: XLA bf16, XLA cuBLASLt FP8 and the Pallas wgmma kernels.
+
+  python bench/gemm.py [--check] [--json out.json] [--iters 20]
+
+Shapes (M, K, N): Llama-2-7B projections at 8192 tokens and 8192^3. Per variant the median GPU
+time over --iters runs, from CUPTI kernel timings (jax.experimental.mosaic.gpu.profiler.measure:
+every kernel the call launches, so padding, transposes and the scale multiply count), else a
+host-timed loop of --inner launches. --check compares each Pallas variant with its reference on
+small shapes first; a variant that fails (to lower, or to match) is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import fp8_matmul as fm
+
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (8192, 8192, 8192)]
+CHECK_SHAPES = [(512, 640, 384), (129, 256, 200)]
+
+
+def timer(iters: int, inner: int):
+    """``measure(fn, *args) -> (median ms, "cupti" | "host")``: CUPTI kernel time where the
+    profiler works, else host time of ``inner`` back-to-back launches."""
+
+    def host(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready([fn(*args) for _ in range(inner)])
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
+        return float(np.median(times)), "host"
+
+    def measure(fn, *args):
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, times = profiler.measure(fn, iterations=iters)(*args)
+            return float(statistics.median(times)), "cupti"
+        except Exception as e:  # noqa: BLE001
+            print(f"  (CUPTI timing unavailable: {type(e).__name__}: {e}; host timing)")
+            return host(fn, *args)
+
+    return measure
+
+
+def inputs(m, k, n, seed=0):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (m, k), jnp.float32)
+    b = jax.random.normal(kb, (n, k), jnp.float32)
+    sa_shape, sb_shape = fm.block_scales_shape(m, n, k)
+    return {
+        "a_bf16": a.astype(jnp.bfloat16),
+        "w_bf16": b.T.astype(jnp.bfloat16),  # (K, N), as the model stores it
+        "a8": a.astype(jnp.float8_e4m3fn),
+        "w8": b.T.astype(jnp.float8_e4m3fn),  # (K, N) for XLA
+        "b8": b.astype(jnp.float8_e4m3fn),  # (N, K), K-major for wgmma
+        "sa": jnp.full(sa_shape, 0.5, jnp.float32),
+        "sb": jnp.full(sb_shape, 0.25, jnp.float32),
+    }
+
+
+def variants():
+    """name -> (function of the inputs dict, reference or None)."""
+
+    @jax.jit
+    def xla_bf16(x):
+        return jnp.dot(x["a_bf16"], x["w_bf16"], preferred_element_type=jnp.bfloat16)
+
+    @jax.jit
+    def xla_fp8(x):  # what coat_jax.flow.fp8_gemm does: cuBLASLt FP8 with the scale epilogue
+        out = jax.lax.dot_general(x["a8"], x["w8"], (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+        return (out * (jnp.float32(0.5) * jnp.float32(0.25))).astype(jnp.bfloat16)
+
+    def per_tensor(x):
+        return fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25)
+
+    def block(x):
+        return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"])
+
+    def quant(x):
+        q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25)
+        return q.data, q.amax
+
+    ref_pt = lambda x: fm.fp8_matmul_reference(x["a8"], x["b8"], 0.5, 0.25, out_dtype=jnp.float32)
+    ref_bs = lambda x: fm.fp8_matmul_block_scaled_reference(
+        x["a8"], x["sa"], x["b8"], x["sb"], out_dtype=jnp.float32
+    )
+    return {
+        "XLA bf16": (xla_bf16, None),
+        "XLA cuBLASLt FP8": (xla_fp8, None),
+        "Pallas per-tensor": (per_tensor, ref_pt),
+        "Pallas block-scaled": (block, ref_bs),
+        "Pallas fused 1x16": (quant, ref_pt),
+    }
+
+
+def rel_err(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(name, fn, ref) -> str | None:
+    """Error message, or None when the variant matches its reference on CHECK_SHAPES."""
+    for m, k, n in CHECK_SHAPES:
+        x = inputs(m, k, n, seed=1)
+        try:
+            out = fn(x)
+            want = ref(x)
+            if name == "Pallas fused 1x16":
+                codes, amax = out
+                from coat_jax.quant import QuantizedArray, dequantize
+
+                got = dequantize(QuantizedArray(codes, amax, None, n))
+                bound = 0.04
+            else:
+                got, bound = out, 1e-2
+            err = rel_err(got, want)
+            if not np.isfinite(np.asarray(jnp.asarray(got, jnp.float32))).all() or err > bound:
+                return f"{(m, k, n)}: rel. Frobenius error {err:.2e} > {bound} (or non-finite)"
+            print(f"  check {name} {(m, k, n)}: rel err {err:.2e} ok", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            return f"{(m, k, n)}: {type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--shapes", default="all", help="'all' or e.g. 8192x4096x4096 (MxKxN)")
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [
+        tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]  # fmt: skip
+    measure = timer(args.iters, args.inner)
+    table = variants()
+    errors = {}
+    if args.check:
+        for name, (fn, ref) in table.items():
+            if ref is not None and (msg := check(name, fn, ref)):
+                print(f"  check {name} FAILED: {msg}", flush=True)
+                errors[name] = f"check: {msg}"
+    rows = []
+    for m, k, n in shapes:
+        x = inputs(m, k, n)
+        row = {"M": m, "K": k, "N": n}
+        for name, (fn, _) in table.items():
+            if name in errors:
+                row[name] = None
+                continue
+            try:
+                jax.block_until_ready(fn(x))  # eager first call: autotunes this shape
+                ms, how = measure(fn if name.startswith("XLA") else jax.jit(fn), x)
+                row[name] = {"ms": ms, "TFLOPs": 2 * m * k * n / ms / 1e9, "timing": how}
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  {(m, k, n)} {name}: {row[name]}", flush=True)
+        rows.append(row)
+
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+    print(f"\nTFLOP/s (median of {args.iters}), {device}")
+    names = list(table)
+    print("| M x K x N | " + " | ".join(names) + " | Pallas/cuBLASLt |")
+    print("|---" * (len(names) + 2) + "|")
+    for r in rows:
+        cells = []
+        for name in names:
+            v = r.get(name)
+            cells.append(f"{v['TFLOPs']:.0f}" if v and "TFLOPs" in v else "err")
+        ratio = ""
+        pt, xf = r.get("Pallas per-tensor"), r.get("XLA cuBLASLt FP8")
+        if pt and xf and "TFLOPs" in pt and "TFLOPs" in xf:
+            ratio = f"{pt['TFLOPs'] / xf['TFLOPs']:.2f}"
+        print(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + f" | {ratio} |")
+    tuned = {str(k): dataclasses.asdict(v) for k, v in fm._TUNED.items()}
+    tune_log = {str(k): v for k, v in fm.AUTOTUNE_LOG.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                       "iters": args.iters, "rows": rows, "check_errors": errors,
+                       "tuned_configs": tuned, "autotune_log": tune_log}, f, indent=2)  # fmt: skip
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 6 on one Hopper GPU, at most ~4 minutes: a smoke run of each Pallas FP8 GEMM variant,
+# the gpu-marked tests, then the TFLOP/s table (XLA bf16, cuBLASLt FP8, Pallas variants).
+#
+#   OUT=/some/dir bash bench/gemm_gpu.sh      (OUT defaults to bench/results)
+#
+# Each stage has its own time limit and a failing stage does not stop the next.
+set -uo pipefail
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+DAY=$(date +%F)
+PY=${PYTHON:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+
+echo "== 1. smoke: each variant once on 256^3 (default config)"
+timeout 60 $PY bench/gemm_smoke.py 2>&1 | tee "$OUT/gemm_smoke_h200_$DAY.txt"
+
+echo "== 2. gpu tests (default config, no autotune)"
+COAT_JAX_GEMM_AUTOTUNE=0 timeout 80 $PY -m pytest -q -p no:cacheprovider -m gpu \
+  --tb=short -rfE --maxfail=5 tests/test_pallas_fp8_matmul.py \
+  2>&1 | tail -60 | tee "$OUT/gemm_tests_h200_$DAY.txt"
+
+echo "== 3. bench: check, autotune, TFLOP/s"
+timeout 100 $PY bench/gemm.py --check --iters 10 --json "$OUT/gemm_h200_$DAY.json" \
+  2>&1 | tee "$OUT/gemm_bench_h200_$DAY.txt"
