@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import re
 import statistics
 import time
 import traceback
@@ -84,6 +85,12 @@ def variants():
                                   preferred_element_type=jnp.float32)  # fmt: skip
         return (out * (jnp.float32(0.5) * jnp.float32(0.25))).astype(jnp.bfloat16)
 
+    @jax.jit
+    def xla_fp8_tn(x):  # the weight stored (N, K): the "TN" layout cuBLASLt FP8 takes on Hopper
+        out = jax.lax.dot_general(x["a8"], x["b8"], (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+        return (out * (jnp.float32(0.5) * jnp.float32(0.25))).astype(jnp.bfloat16)
+
     def per_tensor(x):
         return fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25)
 
@@ -101,10 +108,22 @@ def variants():
     return {
         "XLA bf16": (xla_bf16, None),
         "XLA cuBLASLt FP8": (xla_fp8, None),
+        "XLA cuBLASLt FP8, (N, K) weight": (xla_fp8_tn, None),
         "Pallas per-tensor": (per_tensor, ref_pt),
         "Pallas block-scaled": (block, ref_bs),
         "Pallas fused 1x16": (quant, ref_pt),
     }
+
+
+FP8_GEMM_CALL = "__cublas$lt$matmul$f8"
+
+
+def xla_gemm_calls(fn, x) -> dict:
+    """Which GEMM XLA compiled ``fn`` to: whether its HLO calls cuBLASLt's FP8 matmul (the
+    FP8 tensor-core path) and the custom-call targets it uses."""
+    hlo = fn.lower(x).compile().as_text()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+    return {"fp8_gemm_call": FP8_GEMM_CALL in hlo, "custom_calls": targets}
 
 
 def rel_err(got, want):
@@ -168,6 +187,8 @@ def main():
                 jax.block_until_ready(fn(x))  # eager first call: autotunes this shape
                 ms, how = measure(fn if name.startswith("XLA") else jax.jit(fn), x)
                 row[name] = {"ms": ms, "TFLOPs": 2 * m * k * n / ms / 1e9, "timing": how}
+                if name.startswith("XLA"):
+                    row[name].update(xla_gemm_calls(fn, x))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -170,10 +170,40 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
         except ValueError:
             continue
         out.append(c)
-    return tuple(out)
+    return tuple(out)  # _config_for shortens each pipeline to the shared memory
 
 
 DEFAULT_CONFIG = GemmConfig()
+
+SMEM_LIMIT = 232_448
+"""Shared memory one CTA may use on Hopper (227 KiB, H100/H200); Mosaic GPU refuses more."""
+_SMEM_RESERVE = 256  # barriers and alignment (H200: 64 bytes beside the buffers counted below)
+
+
+def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
+    """Shared memory of the kernel's buffers: the pipeline's ``max_concurrent_steps`` slots of
+    both FP8 operand tiles (and the K step's activation scales when block-scaled), plus the
+    epilogue's staging (two warpgroups x two slots of the BF16/fp32 tile, or the FP8 codes,
+    transposed group amax and cross-warp max scratch of the 1x16 epilogue). Matches what Mosaic
+    GPU reported on an H200 (fp32 per-tensor 4 steps: 262,208; 1x16: 239,680) to 256 bytes."""
+    c = config
+    step = (c.cta_m + c.cta_n) * c.tile_k + (4 * c.cta_m if variant == "block_scaled" else 0)
+    if variant == "quantize_1x16":
+        epilogue = 2 * c.tile_m * c.tile_n + 2 * (c.tile_n // GROUP) * c.tile_m * 4 + 16 * c.tile_m
+    else:
+        n_epi = (c.tile_m // c.epi_tile_m) * (c.tile_n // c.epi_tile_n)
+        epilogue = 2 * min(2, n_epi) * c.epi_tile_m * c.epi_tile_n * jnp.dtype(out_dtype).itemsize
+    return c.max_concurrent_steps * step + epilogue + _SMEM_RESERVE
+
+
+def fit_smem(config: GemmConfig, variant: str, out_dtype) -> GemmConfig | None:
+    """``config`` with its pipeline shortened until :func:`smem_bytes` fits :data:`SMEM_LIMIT`
+    (at least 2 steps, to overlap loads with ``wgmma``), or ``None`` when even 2 do not."""
+    for steps in range(config.max_concurrent_steps, 1, -1):
+        fitted = dataclasses.replace(config, max_concurrent_steps=steps)
+        if smem_bytes(fitted, variant, out_dtype) <= SMEM_LIMIT:
+            return fitted
+    return None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -546,7 +576,8 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
     best, best_ms = None, math.inf
     with jax.ensure_compile_time_eval():
         inputs = _sample_inputs(variant, m, n, k, a_dtype, b_dtype)
-        for cfg in candidates or config_candidates(variant):
+        fitted = (fit_smem(c, variant, out_dtype) for c in candidates or config_candidates(variant))
+        for cfg in dict.fromkeys(c for c in fitted if c is not None):  # in order, no repeats
             fn = functools.partial(_run, variant=variant, out_dtype=jnp.dtype(out_dtype),
                                    config=cfg, shape=(m, n, k))  # fmt: skip
             try:
@@ -569,13 +600,19 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
 
 
 def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
+    forced = config is not None
     if config is None:
         if _autotune_enabled():
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         else:
             config = DEFAULT_CONFIG
     config.check(variant)
-    return config
+    fitted = fit_smem(config, variant, out_dtype)
+    if fitted is None or (forced and fitted != config):
+        need = smem_bytes(config, variant, out_dtype)
+        raise ValueError(f"{config}: needs {need} bytes of shared memory for {variant} with "
+                         f"{jnp.dtype(out_dtype).name} output, over {SMEM_LIMIT}")  # fmt: skip
+    return fitted
 
 
 def _check_backend() -> None:
