@@ -17,10 +17,11 @@ echo "== 1. smoke: each variant once on 256^3 (default config)"
 timeout 60 $PY bench/gemm_smoke.py 2>&1 | tee "$OUT/gemm_smoke_h200_$DAY.txt"
 
 echo "== 2. gpu tests (default config, no autotune)"
-COAT_JAX_GEMM_AUTOTUNE=0 timeout 80 $PY -m pytest -q -p no:cacheprovider -m gpu \
+COAT_JAX_GEMM_AUTOTUNE=0 timeout 130 $PY -m pytest -q -p no:cacheprovider -m gpu \
   --tb=short -rfE --maxfail=5 tests/test_pallas_fp8_matmul.py \
   2>&1 | tail -60 | tee "$OUT/gemm_tests_h200_$DAY.txt"
 
 echo "== 3. bench: check, autotune, TFLOP/s"
-timeout 170 $PY bench/gemm.py --check --iters 10 --json "$OUT/gemm_h200_$DAY.json" \
+timeout 170 $PY bench/gemm.py --check --iters 10 --shapes "${GEMM_SHAPES:-all}" \
+  --json "$OUT/gemm_h200_$DAY.json" \
   2>&1 | tee "$OUT/gemm_bench_h200_$DAY.txt"

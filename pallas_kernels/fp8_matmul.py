@@ -600,15 +600,14 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
 
 
 def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
-    forced = config is not None
     if config is None:
         if _autotune_enabled():
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         else:
             config = DEFAULT_CONFIG
     config.check(variant)
-    fitted = fit_smem(config, variant, out_dtype)
-    if fitted is None or (forced and fitted != config):
+    fitted = fit_smem(config, variant, out_dtype)  # a given config too: its pipeline may shorten
+    if fitted is None:
         need = smem_bytes(config, variant, out_dtype)
         raise ValueError(f"{config}: needs {need} bytes of shared memory for {variant} with "
                          f"{jnp.dtype(out_dtype).name} output, over {SMEM_LIMIT}")  # fmt: skip
@@ -634,7 +633,8 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, config: GemmCo
       b: ``(N, K)`` FP8 codes, row-major: the weight stored transposed (K-major).
       a_scale, b_scale: fp32 scalars, the dequantization multipliers (``amax / fmt.max``).
       out_dtype: ``bfloat16`` or ``float32``.
-      config: force a :class:`GemmConfig`; ``None`` autotunes on first use per shape (set
+      config: force a :class:`GemmConfig` (its pipeline shortened to fit shared memory, see
+        :func:`fit_smem`); ``None`` autotunes on first use per shape (set
         ``COAT_JAX_GEMM_AUTOTUNE=0`` to take the default config instead).
 
     Returns:
