@@ -79,6 +79,9 @@ def parse_args(argv=None):
     parser.add_argument("--cache_dir", default=os.path.join("runs", "xla_cache"))
     parser.add_argument("--json", help="results (and a .md table beside it)")
     parser.add_argument("--png", help="loss curves (default: <workdir>/loss_curves.png)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="train nothing: report the runs in --workdir as they are")  # fmt: skip
+    parser.add_argument("--device", help="device name for the report (default: nvidia-smi's)")
     return parser.parse_args(argv)
 
 
@@ -115,11 +118,21 @@ def read_metrics(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_failure(workdir: str) -> dict | None:
+    """The failure a run recorded (``failed.json``: exit code and train.py's last error line),
+    or None. A failed run is reported as such and not retried."""
+    path = os.path.join(workdir, "failed.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def done_steps(records: list[dict]) -> int:
     return max((r["step"] for r in records), default=0)
 
 
-def summarize_run(records: list[dict]) -> dict:
+def summarize_run(records: list[dict], failure: dict | None = None) -> dict:
     done = done_steps(records)
     tail = [r["train_loss"] for r in records if r["step"] > 0.9 * done and "train_loss" in r]
     evals = [r for r in records if "eval_loss" in r]
@@ -131,6 +144,7 @@ def summarize_run(records: list[dict]) -> dict:
         "eval_step": evals[-1]["step"] if evals else None,
         "tokens_per_s": float(np.median(rates)) if rates else None,
         "peak_mem_gb": max((r["peak_mem_gb"] for r in records if "peak_mem_gb" in r), default=None),
+        "failed": failure,
     }
 
 
@@ -138,7 +152,7 @@ def gaps(summaries: dict) -> dict:
     base = summaries.get(BASELINE)
     out = {}
     for name, s in summaries.items():
-        if name == BASELINE or not base or s["steps"] != base["steps"]:
+        if name == BASELINE or not base or s["steps"] != base["steps"] or s["failed"]:
             continue
         row = {}
         for key in ("final_train_loss", "final_eval_loss"):
@@ -194,6 +208,10 @@ def markdown(summaries: dict, run_gaps: dict) -> str:
     ]
     for name, s in summaries.items():
         g = run_gaps.get(name, {})
+        if s["failed"]:
+            lines.append(f"| {name} | {s['steps']} (last log) | failed: {s['failed']['error']} "
+                         "| - | - | - | - |")  # fmt: skip
+            continue
         lines.append(
             f"| {name} | {s['steps']} | {fmt(s['final_train_loss'], '{:.4f}')} | "
             f"{fmt(g.get('gap_train_loss'), '{:+.2%}')} | {fmt(s['final_eval_loss'], '{:.4f}')} | "
@@ -224,6 +242,8 @@ def main():
     def estimate() -> float:
         left = 0.0
         for name, wd in workdirs.items():
+            if read_failure(wd):
+                continue
             done = done_steps(read_metrics(wd))
             todo = [e for e in ends if e > done]
             left += (total - done) * tokens_per_step / rate[name] + overhead * len(todo)
@@ -240,11 +260,11 @@ def main():
     started, stopped = time.perf_counter(), None
     env = dict(CHILD_ENV, JAX_COMPILATION_CACHE_DIR=os.path.abspath(args.cache_dir))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    for end in ends:
+    for end in ends if not args.report_only else []:
         for name, run in RUNS.items():
             wd = workdirs[name]
             done = done_steps(read_metrics(wd))
-            if done >= end or stopped:
+            if done >= end or stopped or read_failure(wd):
                 continue
             need = (end - done) * tokens_per_step / rate[name] + overhead
             elapsed = time.perf_counter() - started
@@ -258,10 +278,17 @@ def main():
             cmd += [f"--config.{k}={v}" for k, v in sets.items()]
             print(f"== {name}: steps {done} -> {end}", flush=True)
             start = time.perf_counter()
-            out = subprocess.run(cmd, env=env)
+            out = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+            sys.stderr.write(out.stderr)
             seconds = time.perf_counter() - start
-            if out.returncode:
-                sys.exit(f"fidelity.py: {name} failed (exit {out.returncode}): {' '.join(cmd)}")
+            if out.returncode:  # e.g. a loss that went NaN: recorded, reported, not retried
+                lines = [line for line in out.stderr.splitlines() if line.strip()]
+                failure = {"exit": out.returncode, "error": lines[-1] if lines else "",
+                           "command": " ".join(cmd)}  # fmt: skip
+                with open(os.path.join(wd, "failed.json"), "w") as f:
+                    json.dump(failure, f, indent=2)
+                print(f"== {name} FAILED (exit {out.returncode}): {failure['error']}", flush=True)
+                continue
             summary = summarize_run(read_metrics(wd))
             if summary["tokens_per_s"]:
                 rate[name] = summary["tokens_per_s"]
@@ -270,18 +297,21 @@ def main():
                   f"estimated time left {estimate() / 60:.1f} min", flush=True)  # fmt: skip
 
     curves = {name: read_metrics(wd) for name, wd in workdirs.items()}
-    summaries = {name: summarize_run(records) for name, records in curves.items()}
+    summaries = {name: summarize_run(records, read_failure(workdirs[name]))
+                 for name, records in curves.items()}  # fmt: skip
     run_gaps = gaps(summaries)
     png = args.png or os.path.join(args.workdir, "loss_curves.png")
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     plot(curves, png)
     table = markdown(summaries, run_gaps)
     status = f"stopped ({stopped}); run the same command to resume" if stopped else "complete"
+    if failed := [name for name, s in summaries.items() if s["failed"]]:
+        status += f"; failed: {', '.join(failed)}"
     print(f"\n{status}; {time.perf_counter() - started:.0f} s\n{table}\nplot: {png}")
     if args.json:
         report = {
             "date": datetime.date.today().isoformat(),
-            "device": device_name(),
+            "device": args.device or device_name(),
             "jax": jax.__version__,
             "config": {
                 "file": os.path.relpath(args.config, ROOT),
@@ -296,6 +326,7 @@ def main():
                 "runs": RUNS,
             },  # fmt: skip
             "status": status,
+            "report_only": args.report_only,  # then wall_s is the report's, not the runs
             "wall_s": time.perf_counter() - started,
             "runs": summaries,
             "gaps_vs_bf16": run_gaps,

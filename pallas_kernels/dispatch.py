@@ -108,7 +108,15 @@ GEMM_AUTO_USES_KERNEL = False
 (pallas_kernels/fp8_matmul.py) for shapes missing from :data:`GEMM_PALLAS_FASTER`: not yet
 measured against XLA's cuBLASLt FP8 on a GPU."""
 
-GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {}
+GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {
+    # H200, jax 0.11.2, bench/gemm.py (bench/results/gemm_h200_2026-11-30*.json), TFLOP/s of
+    # the Pallas per-tensor kernel (default config) vs XLA's FP8 dot on the (K, N) weight that
+    # flow.fp8_gemm passes: 1469 vs 818, 1471 vs 833, 1520 vs 918, 1501 vs 913.
+    (8192, 4096, 4096): True,
+    (8192, 4096, 11008): True,
+    (8192, 11008, 4096): True,
+    (8192, 8192, 8192): True,
+}
 """Per ``(M, K, N)`` of a per-tensor FP8 GEMM, whether bench/gemm.py measured the Pallas kernel
 faster than XLA's cuBLASLt FP8 on a Hopper GPU (``"auto"`` uses it there; shapes not listed
 follow :data:`GEMM_AUTO_USES_KERNEL`). Fill from a dated bench/results/gemm_*.json."""

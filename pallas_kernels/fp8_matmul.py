@@ -51,6 +51,7 @@ import inspect
 import math
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -544,7 +545,7 @@ def _run(a, b, s1, s2, *, variant, out_dtype, config, shape):
 
 
 # --------------------------------------------------------------------------------------------
-# Autotuning: first call per (variant, shape, dtypes) on a GPU; cached for the process.
+# Autotuning: first eager call per (variant, shape, dtypes) on a GPU; cached for the process.
 
 _TUNED: dict[tuple, GemmConfig] = {}
 AUTOTUNE_LOG: dict[tuple, list[dict]] = {}
@@ -568,43 +569,51 @@ def _sample_inputs(variant, m, n, k, a_dtype, b_dtype):
 def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iters: int = 5,
              candidates=None) -> GemmConfig:  # fmt: skip
     """Times each candidate config on the GPU, caches and returns the fastest (one that
-    compiled). Falls back to :data:`DEFAULT_CONFIG` when none runs (errors in AUTOTUNE_LOG)."""
+    compiled). Falls back to :data:`DEFAULT_CONFIG` when none runs (errors in AUTOTUNE_LOG,
+    and a warning). Call it eagerly (outside ``jit``), e.g. once per shape before training:
+    the wrappers use a shape's tuned config under ``jit`` but do not tune while tracing."""
     key = (variant, m, n, k, jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(out_dtype))
     if key in _TUNED:
         return _TUNED[key]
     log = AUTOTUNE_LOG.setdefault(key, [])
     best, best_ms = None, math.inf
-    with jax.ensure_compile_time_eval():
-        inputs = _sample_inputs(variant, m, n, k, a_dtype, b_dtype)
-        fitted = (fit_smem(c, variant, out_dtype) for c in candidates or config_candidates(variant))
-        for cfg in dict.fromkeys(c for c in fitted if c is not None):  # in order, no repeats
-            fn = functools.partial(_run, variant=variant, out_dtype=jnp.dtype(out_dtype),
-                                   config=cfg, shape=(m, n, k))  # fmt: skip
-            try:
+    # Eager, not under ensure_compile_time_eval: that mode evaluates the kernel body's
+    # lax.axis_index("wg") outside its mesh (H200: "unbound axis name: wg" for every candidate).
+    inputs = _sample_inputs(variant, m, n, k, a_dtype, b_dtype)
+    fitted = (fit_smem(c, variant, out_dtype) for c in candidates or config_candidates(variant))
+    for cfg in dict.fromkeys(c for c in fitted if c is not None):  # in order, no repeats
+        fn = functools.partial(_run, variant=variant, out_dtype=jnp.dtype(out_dtype),
+                               config=cfg, shape=(m, n, k))  # fmt: skip
+        try:
+            jax.block_until_ready(fn(*inputs))
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
                 jax.block_until_ready(fn(*inputs))
-                times = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(*inputs))
-                    times.append((time.perf_counter() - t0) * 1e3)
-                ms = sorted(times)[len(times) // 2]
-            except Exception as e:  # noqa: BLE001 - a config that fails to lower is skipped
-                log.append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}"[:400]})  # fmt: skip
-                continue
-            log.append({"config": dataclasses.asdict(cfg), "ms": ms})
-            if ms < best_ms:
-                best, best_ms = cfg, ms
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms = sorted(times)[len(times) // 2]
+        except Exception as e:  # noqa: BLE001 - a config that fails to lower is skipped
+            log.append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}"[:400]})  # fmt: skip
+            continue
+        log.append({"config": dataclasses.asdict(cfg), "ms": ms})
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        last = log[-1]["error"] if log else "no candidates"
+        warnings.warn(f"fp8_matmul autotune {key}: none ran ({last}); default config", stacklevel=2)
     _TUNED[key] = best or DEFAULT_CONFIG
     return _TUNED[key]
 
 
 def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
     if config is None:
-        if _autotune_enabled():
+        key = (variant, m, n, k, jnp.dtype(a.dtype), jnp.dtype(b.dtype), jnp.dtype(out_dtype))
+        tracing = isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer)
+        if _autotune_enabled() and not tracing:
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
-        else:
-            config = DEFAULT_CONFIG
+        else:  # under jit: a config tuned eagerly before, else the default
+            config = _TUNED.get(key, DEFAULT_CONFIG)
     config.check(variant)
     fitted = fit_smem(config, variant, out_dtype)  # a given config too: its pipeline may shorten
     if fitted is None:
@@ -634,8 +643,9 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, config: GemmCo
       a_scale, b_scale: fp32 scalars, the dequantization multipliers (``amax / fmt.max``).
       out_dtype: ``bfloat16`` or ``float32``.
       config: force a :class:`GemmConfig` (its pipeline shortened to fit shared memory, see
-        :func:`fit_smem`); ``None`` autotunes on first use per shape (set
-        ``COAT_JAX_GEMM_AUTOTUNE=0`` to take the default config instead).
+        :func:`fit_smem`); ``None``: autotuned on the first eager call per shape (under
+        ``jit``: that shape's tuned config, else the default; ``COAT_JAX_GEMM_AUTOTUNE=0``
+        takes the default everywhere).
 
     Returns:
       ``(M, N)`` in ``out_dtype``; equals :func:`fp8_matmul_reference` up to accumulation order.

@@ -93,3 +93,16 @@ def test_fidelity_runs_three_resumable_runs_and_reports_gaps(tmp_path):
         "==" not in again
         and json.loads((tmp_path / "fidelity.json").read_text())["runs"] == report["runs"]
     )
+    # A run that failed (train.py stops on a NaN loss) is reported as failed, left out of the
+    # gaps and not retried; --report_only trains nothing.
+    error = "FloatingPointError: loss is nan at step 4; stopping"
+    (work / "coat_fp8_adamw_no_expansion" / "failed.json").write_text(
+        json.dumps({"exit": 1, "error": error, "command": "train.py ..."})
+    )
+    out = run("fidelity.py", *args, "--report_only", "--device", "test device")
+    report = json.loads((tmp_path / "fidelity.json").read_text())
+    assert "==" not in out and report["device"] == "test device"
+    assert report["status"] == "complete; failed: coat+fp8_adamw, no expansion"
+    assert report["runs"]["coat+fp8_adamw, no expansion"]["failed"]["error"] == error
+    assert set(report["gaps_vs_bf16"]) == {"coat+fp8_adamw"}
+    assert f"failed: {error}" in (tmp_path / "fidelity.md").read_text()

@@ -334,3 +334,27 @@ def test_gpu_flow_gemm_pallas_matches_xla(monkeypatch, contract):
     got = jax.jit(lambda a, b: fp8_gemm(a, b, contract, jnp.float32))(a, b)
     assert got.shape == want.shape
     assert rel_fro(got, want) < 1e-2  # cuBLASLt vs wgmma: both FP8 tensor-core accumulation
+
+
+def test_no_autotuning_while_tracing(monkeypatch):
+    """Under jit the wrappers take a shape's eagerly tuned config, else the default; autotune
+    itself (timing on the GPU) runs only on eager calls."""
+    calls = []
+    monkeypatch.setattr(fm, "autotune", lambda *a, **k: calls.append(a) or fm.DEFAULT_CONFIG)
+    monkeypatch.setenv("COAT_JAX_GEMM_AUTOTUNE", "1")
+    a, b = jnp.zeros((256, 128), E4), jnp.zeros((128, 128), E4)
+    tuned = fm.GemmConfig(128, 128, 128, 2)
+    key = ("per_tensor", 256, 128, 128, jnp.dtype(E4), jnp.dtype(E4), jnp.dtype(jnp.bfloat16))
+    seen = []
+
+    def traced(a, b):
+        seen.append(fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None))
+        return a
+
+    jax.jit(traced)(a, b)
+    monkeypatch.setitem(fm._TUNED, key, tuned)
+    jax.jit(lambda a, b: traced(a, b)).lower(a, b)  # a new function: traced again
+    assert not calls, calls
+    assert seen == [fm.DEFAULT_CONFIG, tuned], seen
+    fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None)
+    assert len(calls) == 1
