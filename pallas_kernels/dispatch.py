@@ -38,10 +38,11 @@ __all__ = [
 KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
 
 AUTO_USES_KERNEL: dict[str, bool] = {
-    # H200, jax 0.11.2, bench/optimizer.py, 1.01B params (2026-11-30): the first fused moment
-    # kernel took 31.5 ms against the XLA reference's 17.9 ms. Rewritten since (one group per
-    # tile row, exp2 forms, hoisted per-group math); flip after bench/optimizer.py shows it faster.
-    "adam_step": False,
+    # The fused moment kernel (pallas_kernels/adam_step.py), H200, jax 0.11.2, 1.01B params
+    # (bench/results/optimizer_h200_2026-11-30.json): 14.31 ms against the XLA reference's
+    # 16.45 ms (the first version took 31.5 ms); compiled tests pass there. Under a
+    # multi-device mesh "auto" takes the XLA path (the kernel is not shard_map-wrapped).
+    "adam_step": True,
     # The full AdamW update (pallas_kernels/adam_update.py), H200, jax 0.11.2, 1.01B params
     # (bench/results/optimizer_h200_2026-11-30.json): 9.37 ms against its XLA reference's
     # 16.32 ms (and optax.adamw's 7.61 ms with fp32 moments); compiled tests pass there.

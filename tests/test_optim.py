@@ -282,3 +282,25 @@ def test_pallas_kernel_refuses_a_multi_device_mesh():
     mesh = jax.sharding.AbstractMesh((2,), ("fsdp",))
     with jax.sharding.use_abstract_mesh(mesh), pytest.raises(ValueError, match="2-device mesh"):
         jax.eval_shape(opt.update, params, state)
+
+
+def test_auto_takes_the_xla_path_under_a_multi_device_mesh(monkeypatch):
+    """``kernels="auto"`` picks the moment kernel on a Hopper GPU, but not under a multi-device
+    mesh: there the XLA path runs (and shards); a forced ``"pallas"`` refuses instead."""
+    from pallas_kernels import adam_step, dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_gpu", lambda devices=None: True)
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", True)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel ran under a 2-device mesh")
+
+    monkeypatch.setattr(adam_step, "fp8_adam_moments", no_kernel)
+    opt = coat_jax.scale_by_fp8_adam(min_size=0, kernels="auto")
+    params = {"w": jnp.ones((4, 256))}
+    state = opt.init(params)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
+        updates, _ = jax.eval_shape(opt.update, params, state)
+    assert updates["w"].shape == (4, 256)
+    with pytest.raises(AssertionError, match="2-device"):  # without a mesh: the kernel
+        jax.eval_shape(opt.update, params, state)

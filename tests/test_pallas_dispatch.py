@@ -79,6 +79,11 @@ def test_resolve_rejects_unknown_names():
 # Per family: the GPU measurement behind an AUTO_USES_KERNEL entry, as (results file, the
 # kernel's row, the reference's row) of bench/optimizer.py's JSON.
 MEASURED = {
+    "adam_step": (
+        "optimizer_h200_2026-11-30.json",
+        "fp8_adamw (Pallas fused moments, expansion)",
+        "fp8_adamw (jnp, expansion)",
+    ),
     "adam_update": (
         "optimizer_h200_2026-11-30.json",
         "fused FP8 AdamW update (Pallas, expansion)",
