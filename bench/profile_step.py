@@ -1,0 +1,302 @@
+"""Where a train step's time goes: a device trace of ``train.py``'s step, by category.
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/profile_step.py \\
+      --config configs/llama2_7b.py --set precision=coat --set optimizer.name=fp8_adamw \\
+      --set batch_size=1 --json bench/results/profile_llama2_7b_coat_h200_$(date +%F).json
+  # a sharded step: --set mesh.data=1 --set mesh.fsdp=2 --set batch_size=2
+
+The step is the trainer's own (``train.build`` + ``train.make_step``: the same model, mesh,
+shardings and optimizer path), compiled ahead of time so that its HLO names every op; after
+``--warmup`` steps, ``--steps`` steps run under ``jax.profiler.trace`` (a Perfetto trace).
+Each device op of the trace is put in one category by the HLO instruction it ran:
+
+* ``GEMM, FP8 (cuBLASLt)`` / ``GEMM (cuBLAS)`` / ``GEMM (Triton)``: the matrix products;
+* ``attention (cuDNN)``: fused attention custom calls;
+* ``Pallas / Triton kernel``: our kernels (``mosaic_gpu`` / Triton custom calls);
+* ``communication``: all-gather, all-reduce, reduce-scatter, collective-permute, all-to-all;
+* ``FP8 quantize (fusion)``: fusions that write FP8 (scales, casts: the precision flow's cost);
+* ``fusion reading FP8``: fusions with an FP8 operand that write none (dequantize and friends);
+* ``elementwise / reduction (fusion)``, ``copy / transpose``, ``other``.
+
+Printed and written (``--json``): per category ms per step and share of the device time, the
+top kernels, the step's wall time (median) next to the device time, and the trace's process and
+thread names (so an unexpected trace layout shows). The trace folder is kept (``--trace_dir``)
+for Perfetto / TensorBoard. On a CPU the trace has no device ops: the script says so and still
+reports compile and step times (the point there is that it cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import datetime
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+FP8_TYPE = re.compile(r"\bf8e\w+\[")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "llama2_7b.py"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. precision=coat (repeatable)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="steps traced")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed")
+    parser.add_argument("--trace_dir", default=os.path.join("runs", "profile"))
+    parser.add_argument("--json")
+    return parser.parse_args(argv)
+
+
+def load_config(path: str, sets: list[str]):
+    from coat_jax import configs
+
+    sys.path.insert(0, ROOT)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profiled_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for item in sets:
+        key, _, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    configs.validate(config)
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# HLO: one category per instruction name.
+
+
+def hlo_categories(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: category}`` for every instruction of a compiled HLO module's text
+    (names as the profiler reports them, without ``%``)."""
+    types, parsed = {}, []
+    for line in hlo_text.splitlines():
+        m = INSTRUCTION.match(line)
+        if m:
+            name, out_type, opcode, rest = m.groups()
+            types[name] = out_type
+            parsed.append((name, out_type, opcode, rest))
+    categories = {}
+    for name, out_type, opcode, rest in parsed:
+        categories[name] = _category(out_type, opcode, rest, types)
+    return categories
+
+
+def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> str:
+    base = opcode.removesuffix("-start").removesuffix("-done")
+    if base in COLLECTIVES:
+        return "communication"
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    target = target.group(1).lower() if target else ""
+    if opcode == "custom-call":
+        if "cublas" in target:
+            return "GEMM, FP8 (cuBLASLt)" if "f8" in target else "GEMM (cuBLAS)"
+        if "cudnn" in target and any(k in target for k in ("fmha", "flash", "sdpa", "attn")):
+            return "attention (cuDNN)"
+        if any(k in target for k in ("mosaic", "triton", "pallas")):
+            return "Pallas / Triton kernel"
+        return "other"
+    if opcode == "fusion":
+        if "__triton_gemm" in rest or '"kind":"__triton_gemm"' in rest or "kCustom" in rest:
+            return "GEMM (Triton)"
+        if FP8_TYPE.search(out_type):
+            return "FP8 quantize (fusion)"
+        operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0])
+        if any(FP8_TYPE.search(types.get(o, "")) for o in operands):
+            return "fusion reading FP8"
+        return "elementwise / reduction (fusion)"
+    if opcode in ("copy", "transpose"):
+        return "copy / transpose"
+    return "other"
+
+
+# --------------------------------------------------------------------------------------------
+# The trace: device ops, summed by category.
+
+
+def _load_trace(trace_dir: str) -> list[dict]:
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    files = files or sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not files:
+        return []
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_ops(events: list[dict]) -> tuple[list[tuple[str, float, int]], dict]:
+    """``([(op name, microseconds, device pid)], layout)`` from a trace's events: complete
+    events of device processes (``/device:GPU:n``...), from the thread that names XLA ops when
+    there is one (else every thread: CUDA streams), so that nothing is counted twice.
+    ``layout`` lists processes and threads with their event counts."""
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
+    counts = collections.Counter((e.get("pid"), e.get("tid")) for e in events if e.get("ph") == "X")
+    layout = {
+        procs.get(pid, str(pid)): {threads.get((pid, tid), str(tid)): n
+                                   for (p, tid), n in counts.items() if p == pid}
+        for pid in {p for p, _ in counts}
+    }  # fmt: skip
+    device_pids = {pid for pid, name in procs.items() if "/device:" in name.lower()}
+    ops_threads = {key for key, name in threads.items()
+                   if key[0] in device_pids and "xla ops" in name.lower()}  # fmt: skip
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in device_pids:
+            continue
+        key = (e["pid"], e.get("tid"))
+        pid_has_ops = any(k[0] == e["pid"] for k in ops_threads)
+        if pid_has_ops and key not in ops_threads:
+            continue
+        name = (e.get("args") or {}).get("hlo_op") or e.get("name", "")
+        out.append((name.lstrip("%"), float(e.get("dur", 0.0)), e["pid"]))
+    return out, layout
+
+
+def _fallback_category(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low or any(c in low for c in COLLECTIVES):
+        return "communication"
+    if any(k in low for k in ("gemm", "xmma", "cutlass", "cublas", "matmul")):
+        return "GEMM, FP8 (cuBLASLt)" if any(k in low for k in ("e4m3", "e5m2", "fp8")) else (
+            "GEMM (cuBLAS)")  # fmt: skip
+    if any(k in low for k in ("flash", "fmha", "cudnn")):
+        return "attention (cuDNN)"
+    if any(k in low for k in ("mosaic", "triton", "pallas")):
+        return "Pallas / Triton kernel"
+    return "other"
+
+
+def summarize(ops, categories: dict[str, str], steps: int, top: int) -> dict:
+    """Per category: ms per step (summed over devices, divided by their number) and share;
+    the ``top`` op names by total time. ``categories`` maps HLO names (unknown names fall back
+    to kernel-name patterns)."""
+    devices = max(len({pid for _, _, pid in ops}), 1)
+    per_cat, per_op = collections.Counter(), collections.Counter()
+    cat_of = {}
+    for name, us, _ in ops:
+        cat = categories.get(name) or _fallback_category(name)
+        cat_of[name] = cat
+        per_cat[cat] += us
+        per_op[name] += us
+    total = sum(per_cat.values())
+    scale = 1e-3 / (steps * devices)  # microseconds over all steps and devices -> ms per step
+    return {
+        "device_ms_per_step": total * scale,
+        "devices": devices,
+        "categories": {
+            cat: {"ms_per_step": us * scale, "share": us / total if total else 0.0}
+            for cat, us in per_cat.most_common()
+        },  # fmt: skip
+        "top_ops": [
+            {"name": n, "category": cat_of[n], "ms_per_step": us * scale}
+            for n, us in per_op.most_common(top)
+        ],  # fmt: skip
+    }
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.path.insert(0, ROOT)
+    import train
+    from coat_jax import train_loop
+
+    config = load_config(args.config, args.set)
+    tokenizer, model_config, graph, params, create, optimizer, schedule, placement = train.build(
+        config
+    )
+    del tokenizer
+    result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+              "devices": jax.device_count(), "jax": jax.__version__, "config": args.config,
+              "set": args.set, "mesh": dict(placement.mesh.shape),
+              "params": model_config.num_params()}  # fmt: skip
+    with jax.set_mesh(placement.mesh):
+        step = train.make_step(config, graph, optimizer, schedule, placement)
+        started = time.perf_counter()
+        params = create(placement.params)
+        opt_state = placement.init_opt_state(optimizer, params)
+        shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
+        tokens = jax.random.randint(jax.random.key(0), shape, 0, model_config.vocab_size)
+        batch = jax.device_put(tokens, placement.batch)
+        result["init_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        compiled = step.lower(params, opt_state, batch).compile()
+        result["compile_s"] = time.perf_counter() - started
+        print(f"compiled in {result['compile_s']:.0f} s", flush=True)
+        categories = hlo_categories(compiled.as_text())
+        times = []
+        for _ in range(args.warmup):
+            params, opt_state, metrics = compiled(params, opt_state, batch)
+        jax.block_until_ready(metrics)
+        with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                params, opt_state, metrics = compiled(params, opt_state, batch)
+                jax.block_until_ready(metrics)
+                times.append((time.perf_counter() - t0) * 1e3)
+    result["step_ms_median"] = statistics.median(times)
+    result["tokens_per_s"] = config.batch_size * config.seq_len / (result["step_ms_median"] / 1e3)
+    flops = train_loop.flops_per_token(model_config, config.seq_len) * config.batch_size
+    peak = train_loop.peak_flops(config.peak_tflops)
+    if peak:
+        result["mfu"] = flops / (result["step_ms_median"] / 1e3) / (peak * jax.device_count())
+    ops, layout = device_ops(_load_trace(args.trace_dir))
+    result["trace_layout"] = layout
+    result["hlo_instructions"] = len(categories)
+    result.update(summarize(ops, categories, args.steps, args.top))
+
+    print(f"\n{result['device']} x {result['devices']}, mesh {result['mesh']}, "
+          f"{result['params'] / 1e6:.0f}M params, {' '.join(args.set)}")  # fmt: skip
+    print(
+        f"step {result['step_ms_median']:.1f} ms (wall, median of {args.steps}), device "
+        f"{result['device_ms_per_step']:.1f} ms per device; compile {result['compile_s']:.0f} s"
+    )
+    if not ops:
+        print("no device ops in the trace (a CPU run, or an unexpected layout):", layout)
+    else:
+        print("| category | ms / step | share |\n|---|---|---|")
+        for cat, v in result["categories"].items():
+            print(f"| {cat} | {v['ms_per_step']:.2f} | {v['share']:.1%} |")
+        print("\n| top op | category | ms / step |\n|---|---|---|")
+        for op in result["top_ops"]:
+            print(f"| {op['name']} | {op['category']} | {op['ms_per_step']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

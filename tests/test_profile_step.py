@@ -1,0 +1,107 @@
+"""bench/profile_step.py: HLO categories, trace parsing and a CPU smoke run."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench" / "profile_step.py")
+ps = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ps)
+
+HLO = """
+HloModule jit_step
+
+%fused_q (p: f32[64,128]) -> f8e4m3fn[64,128] {
+  %p = f32[64,128]{1,0} parameter(0)
+  ROOT %c = f8e4m3fn[64,128]{1,0} convert(%p)
+}
+
+ENTRY %main (a: f32[64,128], w: f8e4m3fn[128,256]) -> bf16[64,256] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %w = f8e4m3fn[128,256]{1,0} parameter(1)
+  %quant_fusion.1 = f8e4m3fn[64,128]{1,0} fusion(%a), kind=kLoop, calls=%fused_q
+  %dequant_fusion = f32[128,256]{1,0} fusion(%w), kind=kLoop, calls=%fused_d
+  %gemm.2 = (bf16[64,256]{1,0}, s8[4096]{0}) custom-call(%quant_fusion.1, %w), custom_call_target="__cublas$lt$matmul$f8"
+  %gemm.3 = (bf16[64,256]{1,0}, s8[4096]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul"
+  %all-gather-start.4 = (f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,128]{1,0}) all-gather-start(%quant_fusion.1), dimensions={0}
+  %all-reduce.5 = (f32[], f32[]) all-reduce(%x, %y), to_apply=%add
+  %fusion.6 = f32[64]{0} fusion(%a), kind=kInput, calls=%reduce_it
+  %triton_gemm.7 = bf16[64,256]{1,0} fusion(%a, %a), kind=kCustom, calls=%g, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %fmha.8 = (bf16[2,8,64,64]{3,2,1,0}, u8[0]{0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
+  %mosaic.9 = f32[8]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
+  ROOT %copy.10 = f32[128,64]{0,1} copy(%a)
+}
+"""  # noqa: E501 (HLO lines as XLA prints them)
+
+
+def test_hlo_categories():
+    cats = ps.hlo_categories(HLO)
+    assert cats["quant_fusion.1"] == "FP8 quantize (fusion)"
+    assert cats["dequant_fusion"] == "fusion reading FP8"
+    assert cats["gemm.2"] == "GEMM, FP8 (cuBLASLt)"
+    assert cats["gemm.3"] == "GEMM (cuBLAS)"
+    assert cats["all-gather-start.4"] == cats["all-reduce.5"] == "communication"
+    assert cats["fusion.6"] == "elementwise / reduction (fusion)"
+    assert cats["triton_gemm.7"] == "GEMM (Triton)"
+    assert cats["fmha.8"] == "attention (cuDNN)"
+    assert cats["mosaic.9"] == "Pallas / Triton kernel"
+    assert cats["copy.10"] == "copy / transpose"
+    assert cats["c"] == "other"  # inside a fused computation: never a device op of its own
+
+
+def _trace(tmp_path):
+    def meta(kind, pid, name, tid=None):
+        return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+    def op(pid, tid, name, dur, args=None):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur, "args": args or {}}
+
+    events = [
+        meta("process_name", 1, "/host:CPU"), meta("process_name", 7, "/device:GPU:0"),
+        meta("process_name", 8, "/device:GPU:1"),
+        meta("thread_name", 7, "XLA Ops", 1), meta("thread_name", 7, "Stream #13", 2),
+        meta("thread_name", 8, "Stream #13", 2),
+        op(1, 0, "host work", 5000.0),
+        op(7, 1, "gemm.2", 600.0), op(7, 1, "quant_fusion.1", 200.0),
+        op(7, 2, "sm90_xmma_gemm_e4m3", 590.0),  # the same GEMM's kernel: not counted again
+        op(8, 2, "kernel", 600.0, {"hlo_op": "%gemm.2"}),
+        op(8, 2, "ncclDevKernel_AllGather", 200.0),
+    ]  # fmt: skip
+    path = tmp_path / "plugins" / "profile" / "run" / "host.trace.json.gz"
+    path.parent.mkdir(parents=True)
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return tmp_path
+
+
+def test_device_ops_and_summary(tmp_path):
+    ops, layout = ps.device_ops(ps._load_trace(str(_trace(tmp_path))))
+    assert sorted((n, d) for n, d, _ in ops) == [
+        ("gemm.2", 600.0), ("gemm.2", 600.0), ("ncclDevKernel_AllGather", 200.0),
+        ("quant_fusion.1", 200.0)]  # fmt: skip
+    assert layout["/device:GPU:0"] == {"XLA Ops": 2, "Stream #13": 1}
+    summary = ps.summarize(ops, ps.hlo_categories(HLO), steps=2, top=2)
+    # 1600 us over 2 steps and 2 devices: 0.4 ms per step per device
+    assert summary["devices"] == 2 and summary["device_ms_per_step"] == pytest.approx(0.4)
+    cats = summary["categories"]
+    assert cats["GEMM, FP8 (cuBLASLt)"]["ms_per_step"] == pytest.approx(0.3)
+    assert cats["communication"]["share"] == pytest.approx(0.125)  # by kernel name
+    assert cats["FP8 quantize (fusion)"]["share"] == pytest.approx(0.125)
+    assert [o["name"] for o in summary["top_ops"]] == ["gemm.2", "quant_fusion.1"]
+
+
+def test_cpu_smoke(tmp_path):
+    out = tmp_path / "p.json"
+    result = ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set",
+                      "precision=coat", "--steps", "1", "--warmup", "1", "--trace_dir",
+                      str(tmp_path / "trace"), "--json", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["step_ms_median"] > 0 and saved["compile_s"] > 0
+    assert saved["hlo_instructions"] > 100 and result["mesh"] == saved["mesh"]
+    with pytest.raises(ValueError, match="precision"):
+        ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set", "precision=fp4"])
