@@ -45,7 +45,6 @@ those fields are None unless ``--device_limit_gb`` sets a limit to search agains
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import datetime
 import json
@@ -131,17 +130,7 @@ def bench_config(args, policy: str):
         raise ValueError(f"--model {args.model!r}: expected one of {list(PRESETS) + list(MODELS)}")
     config.precision, config.optimizer.name = precision, optimizer
     config.seq_len, config.batch_size, config.seed = args.seq_len, args.batch, args.seed
-    for item in args.set:
-        key, _, text = item.partition("=")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    configs.apply_overrides(config, configs.parse_overrides(args.set))
     configs.validate(config)
     return config
 

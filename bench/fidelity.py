@@ -35,9 +35,7 @@ eval curves of all runs; JSON and a Markdown table.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
-import importlib.util
 import json
 import os
 import shutil
@@ -83,31 +81,6 @@ def parse_args(argv=None):
                         help="train nothing: report the runs in --workdir as they are")  # fmt: skip
     parser.add_argument("--device", help="device name for the report (default: nvidia-smi's)")
     return parser.parse_args(argv)
-
-
-def parse_set(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, _, text = item.partition("=")
-        try:
-            out[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            out[key] = text
-    return out
-
-
-def load_config(path: str, overrides: dict):
-    spec = importlib.util.spec_from_file_location("fidelity_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -222,13 +195,15 @@ def markdown(summaries: dict, run_gaps: dict) -> str:
 
 def main():
     args = parse_args()
-    overrides = parse_set(args.set)
-    config = load_config(args.config, overrides)
+    from coat_jax import configs
+
+    overrides = configs.parse_overrides(args.set)
+    config = configs.load_file(args.config, overrides)
     total = args.steps or config.steps
     from coat_jax import configs, train_loop
 
     for run in RUNS.values():  # fail here, not in the third subprocess
-        configs.validate(load_config(args.config, {**overrides, **run, "steps": total}))
+        configs.validate(configs.load_file(args.config, {**overrides, **run, "steps": total}))
     model = configs.llama_config(config)
     tokens_per_step = config.batch_size * config.seq_len
     flops_per_token = train_loop.flops_per_token(model, config.seq_len)

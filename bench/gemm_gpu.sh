@@ -5,13 +5,7 @@
 #   OUT=/some/dir bash bench/gemm_gpu.sh      (OUT defaults to bench/results)
 #
 # Each stage has its own time limit and a failing stage does not stop the next.
-set -uo pipefail
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-DAY=$(date +%F)
-PY=${PYTHON:-python3}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+source "$(dirname "$0")/gpu_env.sh"
 
 echo "== 1. smoke: each variant once on 256^3 (default config)"
 timeout 60 $PY bench/gemm_smoke.py 2>&1 | tee "$OUT/gemm_smoke_h200_$DAY.txt"

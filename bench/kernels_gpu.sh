@@ -1,21 +1,16 @@
 #!/usr/bin/env bash
-# Issue 5 on one Hopper GPU, about 4 minutes (at most 5 by the limits below): compiled kernel tests, the tuning sweep, the
-# kernel bandwidth table and the optimizer-step table; tables to stdout, JSON under $OUT.
+# Issue 5 on one Hopper GPU, at most ~7 minutes by the limits below: compiled kernel tests, the
+# tuning sweep, the kernel bandwidth table and the optimizer-step table; tables to stdout, JSON
+# under $OUT.
 #
 #   OUT=/some/dir bash bench/kernels_gpu.sh      (OUT defaults to bench/results)
 #
 # Each stage has its own time limit so that one slow stage cannot eat the others.
-set -uo pipefail
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-DAY=$(date +%F)
-PY=${PYTHON:-python3}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+source "$(dirname "$0")/gpu_env.sh"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 echo "== compiled kernels vs references (pytest -k compiled)"
-timeout 75 $PY -m pytest -q -p no:cacheprovider -k compiled \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rfE --tb=short -k compiled \
   tests/test_pallas_adam_step.py tests/test_pallas_adam_update.py tests/test_pallas_quantize.py \
   2>&1 | tail -25 | tee "$OUT/kernel_tests_h200_$DAY.txt"
 

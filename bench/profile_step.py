@@ -28,7 +28,6 @@ reports compile and step times (the point there is that it cannot rot).
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import datetime
 import glob
@@ -64,24 +63,7 @@ def parse_args(argv=None):
 def load_config(path: str, sets: list[str]):
     from coat_jax import configs
 
-    sys.path.insert(0, ROOT)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("profiled_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    for item in sets:
-        key, _, text = item.partition("=")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    config = configs.load_file(path, configs.parse_overrides(sets))
     configs.validate(config)
     return config
 

@@ -8,7 +8,9 @@ returned ConfigDict is locked: a misspelt key fails at the command line, naming 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 
 import ml_collections
 
@@ -101,6 +103,41 @@ def pretraining_config(preset: str) -> ml_collections.ConfigDict:
     c.log_interval, c.eval_interval, c.checkpoint_interval = 10, 200, 500
     c.workdir = f"runs/{preset}"
     return c
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["optimizer.lr=1e-3", "precision=coat"]`` -> ``{"optimizer.lr": 0.001, ...}``: values
+    as Python literals where they parse as one, else as strings (the benches' ``--set``)."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """Sets each dotted key of ``overrides`` in ``c`` (in place; returns ``c``)."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c
+
+
+def load_file(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """``get_config()`` of the config file ``path`` (as ``train.py --config`` reads it), with
+    ``overrides`` applied."""
+    spec = importlib.util.spec_from_file_location("coat_jax_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return apply_overrides(module.get_config(), overrides or {})
 
 
 def _positive_int(c, key):

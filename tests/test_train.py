@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from coat_jax import planner, train_loop
+from coat_jax import configs, planner, train_loop
 from coat_jax.checkpoint import Checkpointer
 from coat_jax.configs import llama_config, validate
 from coat_jax.models.llama import Llama
@@ -264,3 +264,14 @@ def test_fused_optimizer_step_matches_the_optax_chain():
     lr = config.optimizer.lr
     for a, b in zip(jax.tree.leaves(p_f), jax.tree.leaves(p_c), strict=True):
         np.testing.assert_allclose(a, b, atol=0.05 * lr, rtol=0)
+
+
+def test_config_overrides_from_strings():
+    """The benches' --set KEY=VALUE: literals parse as Python values, the rest as strings;
+    dotted keys reach nested fields; a missing '=' is an error naming the item."""
+    overrides = configs.parse_overrides(["optimizer.lr=1e-3", "precision=coat", "mesh.fsdp=-1"])
+    assert overrides == {"optimizer.lr": 1e-3, "precision": "coat", "mesh.fsdp": -1}
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
+    assert (config.optimizer.lr, config.precision, config.mesh.fsdp) == (1e-3, "coat", -1)
+    with pytest.raises(ValueError, match="'precision': expected KEY=VALUE"):
+        configs.parse_overrides(["precision"])
