@@ -93,7 +93,9 @@ def make_fused_update(o, schedule, placement=None):
 
     It runs for ``fp8_adamw`` when ``o.kernels`` resolves to the compiled or interpreted
     ``adam_update`` kernel (``"auto"``: on a Hopper GPU once measured faster, see
-    ``pallas_kernels.dispatch``) and the placement is one device (the kernel is not partitioned).
+    ``pallas_kernels.dispatch``); under a multi-device placement on every device's shard
+    (``shard_map`` with the parameters' specs; leaves whose groups do not line up with their
+    shards take the XLA reference).
     The optimizer state keeps ``make_optimizer``'s structure, so checkpoints do not depend on
     the path: the FP8 moments and every ``count`` in the chain advance as the chain would. The
     clip scale is ``max_norm / ||g||`` above the threshold, the factor ``clip_by_global_norm``
@@ -103,8 +105,9 @@ def make_fused_update(o, schedule, placement=None):
 
     if o.name != "fp8_adamw" or dispatch.resolve(o.kernels, "adam_update") == "reference":
         return None
+    specs = None
     if placement is not None and placement.mesh.size > 1:
-        return None
+        specs = jax.tree.map(lambda s: s.spec, placement.params)
     mask = _decay_mask(o)
     kernels = "interpret" if o.kernels == "interpret" else "pallas"
     is_adam = lambda s: isinstance(s, coat_jax.ScaleByFp8AdamState)
@@ -118,6 +121,7 @@ def make_fused_update(o, schedule, placement=None):
         params, new_adam = coat_jax.fused_fp8_adamw_update(
             params, grads, adam, schedule, b1=o.b1, b2=o.b2, eps=o.eps,
             weight_decay=o.weight_decay, mask=mask, clip_scale=clip, kernels=kernels,
+            specs=specs,
         )  # fmt: skip
 
         def advance(s):  # Adam's state, and every other count (the schedule's) with it

@@ -153,6 +153,58 @@ def _call(p, g, hyper, *moments, static):
     )(p, g, hyper, *moments)
 
 
+def _local_specs(p, mu, p_spec, mesh):
+    """``(param spec, codes spec, group spec)`` for running the kernel on each device's shard
+    of a leaf, or ``None`` when the shards do not line up with whole groups (the state's group
+    axis must split like the parameter's last axis: :func:`coat_jax.sharding.optimizer_specs`
+    replicates it where it cannot)."""
+    spec = (*tuple(p_spec), *(None,) * (p.ndim - len(p_spec)))
+    lead, last = spec[:-1], spec[-1]
+    if last is not None:
+        names = last if isinstance(last, tuple) else (last,)
+        ways = 1
+        for name in names:
+            ways *= mesh.shape[name]
+        if mu.amax.shape[-1] % ways:
+            return None
+    P = jax.sharding.PartitionSpec
+    return P(*spec), P(*lead, last, None), P(*lead, last)
+
+
+def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret):
+    """:func:`leaf_kernel` on every device's shard (``jax.shard_map``): the update is
+    elementwise within a group, so each device updates its own parameter rows and their FP8
+    groups, and nothing moves between devices."""
+    p_spec, codes_spec, group_spec = specs
+    expanded = mu.expanded
+
+    def arrays(q):
+        return [q.data, q.amax, *([q.k] if expanded else [])]
+
+    def local(p, g, hyper, *moments):
+        half = len(moments) // 2
+        rebuild = lambda a: QuantizedArray(a[0], a[1], a[2] if expanded else None,
+                                           a[0].shape[-2] * a[0].shape[-1])  # fmt: skip
+        new_p, new_mu, new_nu = leaf_kernel(
+            p, g, rebuild(moments[:half]), rebuild(moments[half:]), hyper, decay,
+            tuning=tuning, interpret=interpret,
+        )  # fmt: skip
+        return new_p, *arrays(new_mu), *arrays(new_nu)
+
+    moment_specs = [codes_spec, group_spec, *([group_spec] if expanded else [])] * 2
+    P = jax.sharding.PartitionSpec
+    outs = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(p_spec, p_spec, P(), *moment_specs),
+        out_specs=(p_spec, *moment_specs),
+        check_vma=False,
+    )(p, g, hyper, *arrays(mu), *arrays(nu))
+    half = (len(outs) - 1) // 2
+    glob = lambda a, like: QuantizedArray(a[0], a[1], a[2] if expanded else None, like.last_dim)
+    return outs[0], glob(outs[1 : 1 + half], mu), glob(outs[1 + half :], nu)
+
+
 def fp8_adamw_update(
     params,
     grads,
@@ -168,6 +220,7 @@ def fp8_adamw_update(
     clip_scale=1.0,
     kernels: str = "auto",
     tuning: AdamStepTuning = _TUNING,
+    specs=None,
 ):
     """One AdamW step with FP8 moments, fused per leaf (math in the module docstring).
 
@@ -183,11 +236,26 @@ def fp8_adamw_update(
       clip_scale: scalar multiplying the gradients, e.g. ``min(1, max_norm / global_norm)``.
       kernels: ``"auto" | "pallas" | "interpret" | "reference"`` (see ``pallas_kernels.dispatch``).
       tuning: knobs of the kernel.
+      specs: under a multi-device mesh (``jax.set_mesh``), the ``PartitionSpec`` of each
+        parameter (the params' structure; the state shards like its parameter, as
+        :func:`coat_jax.sharding.optimizer_specs` lays it out): the kernel then runs on every
+        device's shard (``jax.shard_map``). Without it, ``"auto"`` takes the XLA reference there
+        and the kernel modes raise.
 
     Returns:
       ``(new_params, new_state)``.
     """
     mode = dispatch.resolve(kernels, "adam_update")
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded = not mesh.empty and mesh.size > 1
+    if sharded and specs is None and mode != "reference":
+        if kernels != "auto":
+            raise ValueError(
+                f"fp8_adamw_update(kernels={kernels!r}) under a {mesh.size}-device mesh needs "
+                "specs= (the parameters' PartitionSpecs) to run the kernel on each shard"
+            )
+        mode = "reference"
+
     count_inc = optax.safe_increment(state.count)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -198,6 +266,8 @@ def fp8_adamw_update(
     flat_p, treedef = jax.tree.flatten(params)
     flat_g = treedef.flatten_up_to(grads)
     flat_mu, flat_nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+    flat_specs = treedef.flatten_up_to(specs) if sharded and specs is not None else None
+    flat_specs = flat_specs or [None] * len(flat_p)
     if mask is None:
         flat_mask = [True] * len(flat_p)
     else:
@@ -205,10 +275,17 @@ def fp8_adamw_update(
         if not all(isinstance(d, bool) for d in flat_mask):
             raise TypeError("fp8_adamw_update: mask leaves must be Python bools (static)")
     out = []
-    for p, g, mu, nu, decay in zip(flat_p, flat_g, flat_mu, flat_nu, flat_mask, strict=True):
-        if mode != "reference" and _kernel_takes(p, g, mu, nu, tuning):
+    interpret = mode == "interpret"
+    leaves = zip(flat_p, flat_g, flat_mu, flat_nu, flat_mask, flat_specs, strict=True)
+    for p, g, mu, nu, decay, p_spec in leaves:
+        takes = mode != "reference" and _kernel_takes(p, g, mu, nu, tuning)
+        local = _local_specs(p, mu, p_spec, mesh) if takes and sharded else None
+        if takes and not sharded:
             out.append(leaf_kernel(p, g, mu, nu, hyper, decay, tuning=tuning,
-                                   interpret=mode == "interpret"))  # fmt: skip
+                                   interpret=interpret))  # fmt: skip
+        elif local is not None:
+            out.append(_leaf_sharded(p, g, mu, nu, hyper, decay, local, mesh, tuning=tuning,
+                                     interpret=interpret))  # fmt: skip
         else:
             out.append(leaf_reference(p, g, mu, nu, hyper, decay))
     new_p, new_mu, new_nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))

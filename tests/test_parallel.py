@@ -91,7 +91,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_meshes_processes_and_checkpoints(tmp_path):
     """One device vs meshes 8x1x1, 2x4x1, 2x2x2 (coat + fp8_adamw; and bf16 + adamw with tight
-    tolerances), a checkpoint saved on 2x4x1 resumed on 2x2x2 and on one device, and 2
+    tolerances; and the fused optimizer kernel sharded on 2x4x1), a checkpoint saved on 2x4x1 resumed on 2x2x2 and on one device, and 2
     processes x 4 CPU devices joined by jax.distributed (gloo) vs 1 process x 8."""
     port = free_port()
     multi = [
@@ -119,6 +119,10 @@ def test_meshes_processes_and_checkpoints(tmp_path):
         assert_runs_close(workdir, ref)
     # Same program on 8 devices in one process or in two: equal up to collective sum order.
     assert_runs_close(tmp_path / "two_processes", tmp_path / "2x4x1")
+    # The fused optimizer kernel (interpreted) on each device's shard, vs the XLA chain.
+    out = run(tmp_path / "fused_2x4x1", (2, 4, 1), "--config.optimizer.kernels=interpret")
+    assert "Optimizer: fused FP8 AdamW kernel" in out
+    assert_runs_close(tmp_path / "fused_2x4x1", ref)
 
     bf16 = ("--config.precision=bf16", "--config.optimizer.name=adamw")
     run(tmp_path / "bf16_one_device", (1, 1, 1), *bf16, devices=1)
