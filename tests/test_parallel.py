@@ -91,8 +91,9 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_meshes_processes_and_checkpoints(tmp_path):
     """One device vs meshes 8x1x1, 2x4x1, 2x2x2 (coat + fp8_adamw; and bf16 + adamw with tight
-    tolerances; and the fused optimizer kernel sharded on 2x4x1), a checkpoint saved on 2x4x1 resumed on 2x2x2 and on one device, and 2
-    processes x 4 CPU devices joined by jax.distributed (gloo) vs 1 process x 8."""
+    tolerances; and the fused optimizer kernel sharded on 2x4x1), a checkpoint saved on 2x4x1
+    resumed on 2x2x2 and on one device, and 2 processes x 4 CPU devices joined by
+    jax.distributed (gloo) vs 1 process x 8."""
     port = free_port()
     multi = [
         launch(
