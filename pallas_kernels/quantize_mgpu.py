@@ -46,7 +46,12 @@ except ImportError as e:  # pragma: no cover - depends on the jax build
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["MgpuQuantizeTuning", "block_plan", "quantize_per_group_mgpu"]
+__all__ = [
+    "MgpuQuantizeTuning",
+    "block_plan",
+    "mgpu_tuning_candidates",
+    "quantize_per_group_mgpu",
+]
 
 MIN_BLOCK_ROWS = 64
 """Rows of the smallest block: the WGMMA register layout tiles rows by 64."""
@@ -175,11 +180,15 @@ def _build_kernel(n_rows, group, in_dtype, fmt: Fp8Format, br, depth, n_ctas):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_call(x2, fmt, group, br, depth, n_ctas):
-    """Codes ``(n_rows, group)`` and ``amax (n_rows,)`` of the ``(n_rows, group)`` view ``x2``."""
-    n_rows = x2.shape[0]
-    call = _build_kernel(n_rows, group, x2.dtype, fmt, br, depth, n_ctas)
-    return call(x2)
+def _quantize_call(x, fmt, group, br, depth, n_ctas):
+    """Codes ``(..., n_groups, group)`` and ``amax (..., n_groups)`` of ``x`` (last axis a
+    multiple of ``group``). The ``(n_rows, group)`` views are reshapes inside this jit, so XLA
+    makes them bitcasts around the kernel rather than copies."""
+    n_rows = x.size // group
+    lead, n_groups = x.shape[:-1], x.shape[-1] // group
+    call = _build_kernel(n_rows, group, x.dtype, fmt, br, depth, n_ctas)
+    codes, amax = call(x.reshape(n_rows, group))
+    return codes.reshape(*lead, n_groups, group), amax.reshape(*lead, n_groups)
 
 
 def _check(x, group_size):
@@ -223,11 +232,6 @@ def quantize_per_group_mgpu(
     if plan is None:
         return quantize(x, fmt, group_size=group_size)
     br, n_ctas = plan
-    codes, amax = _quantize_call(
-        x.reshape(-1, group_size), fmt, group_size, br, tuning.max_concurrent_steps, n_ctas
-    )
-    lead = x.shape[:-1]
-    n_groups = cols // group_size
-    return QuantizedArray(
-        codes.reshape(*lead, n_groups, group_size), amax.reshape(*lead, n_groups), None, cols
-    )
+    depth = tuning.max_concurrent_steps
+    codes, amax = _quantize_call(x, fmt, group_size, br, depth, n_ctas)
+    return QuantizedArray(codes, amax, None, cols)

@@ -43,7 +43,7 @@ def assert_same_codes(got, want):
 def test_kernel_lowers_for_cuda(fmt, group, dtype):
     """Traces and lowers the kernel for CUDA without a GPU (default and a small tuning)."""
     n_rows = 512 * 1024 // group
-    x = jax.ShapeDtypeStruct((n_rows, group), dtype)
+    x = jax.ShapeDtypeStruct((512, 1024), dtype)
     for tuning in (km.MgpuQuantizeTuning(), km.MgpuQuantizeTuning(64, max_concurrent_steps=2)):
         br, n_ctas = km.block_plan(n_rows, group, dtype, tuning, num_sms=132)
 
@@ -81,14 +81,16 @@ def test_block_plan():
         km.block_plan(1024, 256, jnp.float32, km.MgpuQuantizeTuning(256, 0, 8), 132)
 
 
-def _kernel_math(x2, fmt, group, br, depth, n_ctas):
-    """The kernel body's math on the (n_rows, group) view, in jnp (stands in on the CPU)."""
-    assert x2.shape[0] % (br * n_ctas) == 0 and x2.shape[1] == group
-    x = x2.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=1)
+def _kernel_math(x, fmt, group, br, depth, n_ctas):
+    """The kernel call's math in jnp on the (n_rows, group) view (stands in on the CPU)."""
+    lead, n_groups = x.shape[:-1], x.shape[-1] // group
+    x2 = x.reshape(-1, group).astype(jnp.float32)
+    assert x2.shape[0] % (br * n_ctas) == 0
+    amax = jnp.max(jnp.abs(x2), axis=1)
     factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
-    scaled = x * jax.lax.broadcast_in_dim(factor, x.shape, (0,))
-    return jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype), amax
+    scaled = x2 * jax.lax.broadcast_in_dim(factor, x2.shape, (0,))
+    codes = jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+    return codes.reshape(*lead, n_groups, group), amax.reshape(*lead, n_groups)
 
 
 @pytest.mark.parametrize("shape", [(64, 512), (3, 8, 256), (7, 160), (4, 130), (1, 48)])
