@@ -5,7 +5,8 @@
 
 Kernels: the fused FP8 Adam moment step (``adam_step``, candidates from
 ``adam_step.tuning_candidates()``), the full-fusion AdamW update (``adam_update``, same
-candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``), on
+candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``;
+on a Hopper GPU also the Mosaic GPU kernel, ``quantize_mgpu.mgpu_tuning_candidates()``), on
 one ``(rows, cols)`` fp32 tensor. Each candidate: median over --iters samples of the mean of
 --inner back-to-back launches, state fed forward and donated (as in a training loop), so the
 update kernel's in-place aliasing is what is timed. GB/s counts each input read once and each
@@ -28,6 +29,7 @@ import numpy as np
 from coat_jax.quant import quantize
 from pallas_kernels import adam_step, adam_update, dispatch
 from pallas_kernels import quantize as kq
+from pallas_kernels import quantize_mgpu as km
 
 B1, B2 = 0.9, 0.95
 
@@ -80,6 +82,13 @@ def kernel_cases(rows: int, cols: int, interpret: bool):
 
         return make
 
+    def mgpu_quantize_step(group):
+        def make(tuning):
+            fn = lambda x: (km.quantize_per_group_mgpu(x, "e4m3", group, tuning=tuning), x)[::-1]
+            return jax.jit(lambda c: fn(c[0])), (g, None)
+
+        return make
+
     cases = {
         "adam_step (moments, expansion)": (
             adam_step.tuning_candidates(),
@@ -98,6 +107,13 @@ def kernel_cases(rows: int, cols: int, interpret: bool):
             quantize_step(group),
             5 * n + n // group * 4,
         )
+    if not interpret:  # the Mosaic GPU kernel has no interpret mode: timed on a Hopper GPU only
+        for group in (16, 128):
+            cases[f"quantize per-group 1x{group} fp32, Mosaic GPU"] = (
+                km.mgpu_tuning_candidates(),
+                mgpu_quantize_step(group),
+                5 * n + n // group * 4,
+            )
     return cases
 
 

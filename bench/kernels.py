@@ -2,6 +2,9 @@
 
   python bench/kernels.py [--rows 8192 --cols 8192] [--json out.json]
 
+Rows "Pallas" are the Triton-backend kernels (pallas_kernels/quantize.py), "Pallas Mosaic GPU"
+the Mosaic GPU per-group quantize (pallas_kernels/quantize_mgpu.py, Hopper only).
+
 For each kernel: the median over --iters samples of the mean time of --inner back-to-back
 launches (dispatch is asynchronous, so launch latency overlaps the previous launch; inputs
 rotate over 3 buffers), the bytes it must move (each input read once, each output written
@@ -21,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from coat_jax.quant import dequantize, quantize
+from pallas_kernels import dispatch
 from pallas_kernels import quantize as kq
+from pallas_kernels import quantize_mgpu as km
 
 
 def median_ms(fn, inputs, iters: int, inner: int) -> float:
@@ -68,6 +73,10 @@ def main():
                 lambda x, g=g: quantize(x, "e4m3", group_size=g)), xs, moved)  # fmt: skip
             record(f"per-group 1x{g} {tag}, Pallas", lambda x, g=g: kq.quantize_per_group(
                 x, "e4m3", g), xs, moved)  # fmt: skip
+            if dispatch.hopper_gpu():  # compiled only (no interpret mode for Mosaic GPU)
+                record(f"per-group 1x{g} {tag}, Pallas Mosaic GPU",
+                       lambda x, g=g: km.quantize_per_group_mgpu(x, "e4m3", g), xs,
+                       moved)  # fmt: skip
         record(f"per-tensor {tag}, XLA jnp", jax.jit(lambda x: quantize(x, "e4m3")), xs,
                n * (2 * b + 1))  # fmt: skip
         record(f"per-tensor {tag}, Pallas two-stage", lambda x: kq.quantize_per_tensor(x), xs,
