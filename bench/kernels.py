@@ -57,7 +57,7 @@ def main():
     n = args.rows * args.cols
     rows = []
 
-    def record(name, fn, inputs, nbytes):
+    def record(name, fn, inputs, nbytes):  # fn jitted: the wrappers' reshapes are free there
         ms = median_ms(fn, inputs, args.iters, args.inner)
         rows.append({"kernel": name, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6})
 
@@ -71,26 +71,27 @@ def main():
             moved = n * (b + 1) + n // g * 4
             record(f"per-group 1x{g} {tag}, XLA jnp", jax.jit(
                 lambda x, g=g: quantize(x, "e4m3", group_size=g)), xs, moved)  # fmt: skip
-            record(f"per-group 1x{g} {tag}, Pallas", lambda x, g=g: kq.quantize_per_group(
-                x, "e4m3", g), xs, moved)  # fmt: skip
+            record(f"per-group 1x{g} {tag}, Pallas", jax.jit(lambda x, g=g: kq.quantize_per_group(
+                x, "e4m3", g)), xs, moved)  # fmt: skip
             if dispatch.hopper_gpu():  # compiled only (no interpret mode for Mosaic GPU)
                 record(f"per-group 1x{g} {tag}, Pallas Mosaic GPU",
-                       lambda x, g=g: km.quantize_per_group_mgpu(x, "e4m3", g), xs,
+                       jax.jit(lambda x, g=g: km.quantize_per_group_mgpu(x, "e4m3", g)), xs,
                        moved)  # fmt: skip
         record(f"per-tensor {tag}, XLA jnp", jax.jit(lambda x: quantize(x, "e4m3")), xs,
                n * (2 * b + 1))  # fmt: skip
-        record(f"per-tensor {tag}, Pallas two-stage", lambda x: kq.quantize_per_tensor(x), xs,
+        record(f"per-tensor {tag}, Pallas two-stage", jax.jit(kq.quantize_per_tensor), xs,
                n * (2 * b + 1))  # fmt: skip
         # backward-GEMM operands: codes in both layouts from a known amax (one read, two writes)
         record(f"transpose+quantize per-tensor {tag}, XLA jnp", jax.jit(_quantize_both), xs,
                n * (b + 2))  # fmt: skip
         record(f"transpose+quantize per-tensor {tag}, Pallas",
-               lambda x: kq.quantize_transpose_per_tensor(x, 4.0), xs, n * (b + 2))  # fmt: skip
+               jax.jit(lambda x: kq.quantize_transpose_per_tensor(x, 4.0)), xs,
+               n * (b + 2))  # fmt: skip
     qs = [kq.quantize_per_group(jax.random.normal(k, (args.rows, args.cols)), "e4m3", 16)
           for k in jax.random.split(jax.random.key(1), 3)]  # fmt: skip
     moved = n * (1 + 4) + n // 16 * 4
     record("dequantize 1x16 -> f32, XLA jnp", jax.jit(dequantize), qs, moved)
-    record("dequantize 1x16 -> f32, Pallas", kq.dequantize_per_group, qs, moved)
+    record("dequantize 1x16 -> f32, Pallas", jax.jit(kq.dequantize_per_group), qs, moved)
 
     device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     print(f"\n{args.rows}x{args.cols}, median of {args.iters} x {args.inner} launches, {device}")
