@@ -131,10 +131,21 @@ def gemm_backend(shape: tuple[int, int, int] | None = None) -> str:
     * ``"pallas"``: the Pallas wgmma kernel; a ``ValueError`` off a Hopper GPU.
     * ``"auto"``: Pallas on Hopper where :data:`GEMM_PALLAS_FASTER` says so for ``shape``
       ``(M, K, N)``, else XLA.
+
+    Under a multi-device mesh (``jax.set_mesh``) the kernel does not run (it is not
+    partitioned): ``"auto"`` gives XLA, ``"pallas"`` raises.
     """
     choice = os.environ.get(GEMM_ENV, "xla").lower()
     if choice not in GEMM_BACKENDS:
         raise ValueError(f"{GEMM_ENV}={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if choice != "xla" and not mesh.empty and mesh.size > 1:  # the kernel is not partitioned
+        if choice == "pallas":
+            raise ValueError(
+                f"{GEMM_ENV}=pallas: the Pallas GEMM runs on one device, not under a "
+                f"{mesh.size}-device mesh; use 'auto' (XLA there) or 'xla'"
+            )
+        return "xla"
     if choice == "pallas":
         if not hopper_gpu():
             raise ValueError(f"{GEMM_ENV}=pallas needs a Hopper GPU; use 'auto' or 'xla'")

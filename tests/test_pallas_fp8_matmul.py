@@ -399,6 +399,23 @@ def test_gemm_backend_switch(monkeypatch):
             dispatch.gemm_backend()
 
 
+def test_gemm_backend_under_a_mesh(monkeypatch):
+    """On a Hopper GPU the measured shapes go to Pallas with ``auto``, but not under a
+    multi-device mesh (the kernel is not partitioned): XLA there, and ``pallas`` refuses."""
+    from pallas_kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_gpu", lambda devices=None: True)
+    shape = next(iter(dispatch.GEMM_PALLAS_FASTER))
+    monkeypatch.setenv(dispatch.GEMM_ENV, "auto")
+    assert dispatch.gemm_backend(shape) == "pallas"
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
+        assert dispatch.gemm_backend(shape) == "xla"
+        monkeypatch.setenv(dispatch.GEMM_ENV, "pallas")
+        with pytest.raises(ValueError, match="2-device mesh"):
+            dispatch.gemm_backend(shape)
+    assert dispatch.gemm_backend(shape) == "pallas"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("contract", [(-1, 0), (-1, 1), (0, 0)])
 def test_gpu_flow_gemm_pallas_matches_xla(monkeypatch, contract):
