@@ -3,8 +3,9 @@ coat+fp8_adamw without range expansion; loss curves and final-loss gaps to bf16 
 
 COAT reports final train losses within 0.7% of BF16 (OLMo-1B, 300B tokens: 2.551 vs 2.568;
 OLMo-7B: 2.366 vs 2.379). This runs ``train.py`` three times as subprocesses, each in its own
-``--workdir/<run>``, on ``configs/llama_114m.py`` (113.7M parameters, the embedded stdlib corpus
-with the byte tokenizer, seed 0, batch 16 x 512, 2000 steps; ``--config`` / ``--set`` change it).
+``--workdir/<run>``, on ``configs/llama_114m.py`` (113.7M parameters, the standard library's
+source tree with the byte tokenizer, seed 0, batch 16 x 512, 2000 steps; ``--config`` / ``--set``
+change it).
 
 Reproducing the results (one H200; about 5-9 GPU minutes, printed before it starts):
 

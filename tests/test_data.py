@@ -109,3 +109,13 @@ def test_bad_prompt_response_records(tmp_path, line, match):
     (tmp_path / "pairs.jsonl").write_text(line + "\n")
     with pytest.raises(ValueError, match=match):
         data.load_examples(str(tmp_path / "pairs.jsonl"), data.ByteTokenizer(), seq_len=4)
+
+
+def test_stdlib_all_is_the_whole_tree_and_contains_stdlib():
+    """``stdlib_all`` holds every .py of the standard library's folder (not site-packages):
+    several times ``stdlib``'s text, the top-level modules included, in a fixed order."""
+    top, tree = data._stdlib_text(), data._stdlib_text(tree=True)
+    assert len(tree) > 3 * len(top)
+    first_module = top[:2000]
+    assert first_module in tree
+    assert data.load_tokens("stdlib_all")[:1000].tolist() == list(tree.encode()[:1000])
