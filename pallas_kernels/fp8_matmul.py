@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import time
@@ -59,16 +58,8 @@ from jax import lax
 
 from coat_jax.formats import E4M3
 from coat_jax.quant import QuantizedArray, quantize
-from pallas_kernels import dispatch
-
-try:  # the kernels need jax's Mosaic GPU Pallas; the references and helpers do not
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError as e:  # pragma: no cover - depends on the jax build
-    pl = plgpu = None
-    _IMPORT_ERROR: Exception | None = e
-else:
-    _IMPORT_ERROR = None
+from pallas_kernels import dispatch, mgpu
+from pallas_kernels.mgpu import pl, plgpu
 
 __all__ = [
     "FP8_DTYPES",
@@ -350,18 +341,6 @@ def _check_block_scales(a_scales, b_scales, m, n, k) -> None:
 # The kernel.
 
 
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def _load(ref, layout):
-    """``plgpu.load(ref, layout=...)``: jax 0.11 takes the index through ``ref.at`` (a separate
-    index is deprecated there), jax 0.10 requires it."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
 def _fp8_transforms():
     # FP8 wgmma operands: (8, 128)-element tiles, 128-byte swizzle (128 FP8 = one K row).
     return (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -463,7 +442,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 def step_scale(sa_smem, kk):
                     """The K step's promotion multipliers of this warpgroup's rows, (tile_m,)."""
                     sa_rows = sa_smem.at[0, wg_rows] if split_m else sa_smem.at[0]
-                    row_scale = _load(sa_rows, plgpu.Layout.WGMMA.reduce(1))
+                    row_scale = mgpu.load(sa_rows, plgpu.Layout.WGMMA.reduce(1))
                     return row_scale * sb_gmem[lax.div(col0, BLOCK), kk]
 
                 def promote(total, part, scale):
@@ -594,7 +573,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(_num_sms(),),
+        grid=(mgpu.num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
@@ -702,8 +681,7 @@ def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
 
 
 def _check_backend() -> None:
-    if _IMPORT_ERROR is not None:
-        raise ValueError(f"pallas_kernels.fp8_matmul needs Mosaic GPU Pallas: {_IMPORT_ERROR}")
+    mgpu.require("pallas_kernels.fp8_matmul")
     dispatch.check_compiled(False, "pallas_kernels.fp8_matmul")
 
 

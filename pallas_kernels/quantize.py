@@ -70,7 +70,8 @@ def _params(tuning: QuantizeTuning):
     return pl_triton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
 
 
-def _check(x, group_size):
+def check_args(x, group_size) -> None:
+    """The per-group quantize kernels' argument checks (TypeError / ValueError, one line)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize needs a floating-point array, got dtype {x.dtype}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
@@ -93,7 +94,7 @@ def quantize_per_group(
 ) -> QuantizedArray:
     """Kernel twin of ``coat_jax.quantize(x, fmt, group_size=group_size)`` (bitwise equal)."""
     fmt = get_format(fmt)
-    _check(x, group_size)
+    check_args(x, group_size)
     _check_backend(interpret)
     cols = x.shape[-1]
     rows = x.size // max(cols, 1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +34,9 @@ from jax import lax
 
 from coat_jax.formats import Fp8Format, get_format
 from coat_jax.quant import QuantizedArray, quantize
-from pallas_kernels import dispatch
-
-try:  # the kernel needs jax's Mosaic GPU Pallas; the fallback does not
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError as e:  # pragma: no cover - depends on the jax build
-    pl = plgpu = None
-    _IMPORT_ERROR: Exception | None = e
-else:
-    _IMPORT_ERROR = None
+from pallas_kernels import dispatch, mgpu
+from pallas_kernels.mgpu import pl, plgpu
+from pallas_kernels.quantize import check_args
 
 __all__ = [
     "MgpuQuantizeTuning",
@@ -125,18 +117,6 @@ def block_plan(
     return br, n_ctas
 
 
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def _load(ref, layout, optimized: bool):
-    """``plgpu.load(ref, layout=...)``: jax 0.11 indexes through ``ref.at`` (a separate index is
-    deprecated there), jax 0.10 requires the index argument."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout, optimized=optimized)
-    return plgpu.load(ref, layout=layout, optimized=optimized)
-
-
 def _build_kernel(n_rows, group, in_dtype, fmt: Fp8Format, br, depth, n_ctas):
     """The ``plgpu.kernel`` for an ``(n_rows, group)`` view (``n_rows % (br * n_ctas) == 0``)."""
     rows_per_cta = n_rows // n_ctas
@@ -145,7 +125,7 @@ def _build_kernel(n_rows, group, in_dtype, fmt: Fp8Format, br, depth, n_ctas):
 
     def body(_, x_smem, q_smem, amax_smem):
         # encode(x, fmt, False) on one (br, g) tile, one group per row
-        x = _load(x_smem, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+        x = mgpu.load(x_smem, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
         amax = jnp.max(jnp.abs(x), axis=1)
         factor = fmax / jnp.where(amax > 0, amax, 1.0)
         scaled = x * lax.broadcast_in_dim(factor, (br, group), (0,))
@@ -191,15 +171,6 @@ def _quantize_call(x, fmt, group, br, depth, n_ctas):
     return codes.reshape(*lead, n_groups, group), amax.reshape(*lead, n_groups)
 
 
-def _check(x, group_size):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"quantize needs a floating-point array, got dtype {x.dtype}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if x.ndim == 0:
-        raise ValueError("per-group quantization needs an array with at least one axis")
-
-
 def quantize_per_group_mgpu(
     x: jax.Array,
     fmt: str | Fp8Format = "e4m3",
@@ -220,15 +191,14 @@ def quantize_per_group_mgpu(
       TypeError: a non-floating ``x``.
     """
     fmt = get_format(fmt)
-    _check(x, group_size)
+    check_args(x, group_size)
     dispatch.check_compiled(False, "pallas_kernels.quantize_mgpu")
-    if _IMPORT_ERROR is not None:  # pragma: no cover - depends on the jax build
-        raise ValueError(f"Mosaic GPU Pallas is unavailable: {_IMPORT_ERROR}")
+    mgpu.require("pallas_kernels.quantize_mgpu")
     cols = x.shape[-1]
     plan = None
     if x.size and cols % group_size == 0:
         n_rows = x.size // group_size
-        plan = block_plan(n_rows, group_size, x.dtype, tuning, _num_sms())
+        plan = block_plan(n_rows, group_size, x.dtype, tuning, mgpu.num_sms())
     if plan is None:
         return quantize(x, fmt, group_size=group_size)
     br, n_ctas = plan

@@ -331,14 +331,20 @@ def test_gpu_per_tensor_each_config(config):
     _assert_every_tile_close(got, want, 1e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("m", "k", "n"), GPU_SHAPES)
-def test_gpu_block_scaled(m, k, n):
+def block_scaled_inputs(m, k, n):
+    """Fresh FP8 operands and block scales in [0.1, 4) for an (M, K) x (N, K)^T GEMM."""
     a, b = fp8((m, k)), fp8((n, k))
     sa_shape, sb_shape = fm.block_scales_shape(m, n, k)
     rng = np.random.default_rng()
     sa = jnp.asarray(rng.uniform(0.1, 4.0, sa_shape), jnp.float32)
     sb = jnp.asarray(rng.uniform(0.1, 4.0, sb_shape), jnp.float32)
+    return a, sa, b, sb
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "k", "n"), GPU_SHAPES)
+def test_gpu_block_scaled(m, k, n):
+    a, sa, b, sb = block_scaled_inputs(m, k, n)
     got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
     _assert_every_tile_close(got, want, 1e-3)
@@ -350,11 +356,7 @@ def test_gpu_block_scaled(m, k, n):
     "config", [c for v, c in NEW_OPTION_CONFIGS if v == "block_scaled"], ids=str
 )
 def test_gpu_block_scaled_overlap_promotion(m, k, n, config):
-    a, b = fp8((m, k)), fp8((n, k))
-    sa_shape, sb_shape = fm.block_scales_shape(m, n, k)
-    rng = np.random.default_rng()
-    sa = jnp.asarray(rng.uniform(0.1, 4.0, sa_shape), jnp.float32)
-    sb = jnp.asarray(rng.uniform(0.1, 4.0, sb_shape), jnp.float32)
+    a, sa, b, sb = block_scaled_inputs(m, k, n)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
     for out in (jnp.float32, jnp.bfloat16):
         got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=out, config=config)

@@ -95,16 +95,21 @@ FUSED_SCRIPT = textwrap.dedent(
     sharded = []
     kernel = adam_update._leaf_sharded
     adam_update._leaf_sharded = lambda *a, **k: sharded.append(a[0].shape) or kernel(*a, **k)
-    for shape in [(8, 1, 1), (1, 8, 1), (2, 2, 2)]:
+
+    def sharded_step(shape, params, state):  # the update jitted on a (data, fsdp, tensor) mesh
         sharded.clear()
         mesh = sharding.make_mesh(*shape)
         pspec = sharding.param_specs(mesh, params)
         ps = sharding.shardings(mesh, pspec)
         ss = sharding.shardings(mesh, sharding.optimizer_specs(mesh, adam, state, pspec))
+        step = jax.jit(lambda p, g, s: update(p, g, s, kernels="interpret", specs=pspec),
+                       in_shardings=(ps, ps, ss), out_shardings=(ps, ss))
+        return mesh, step, (ps, ps, ss)
+
+    for shape in [(8, 1, 1), (1, 8, 1), (2, 2, 2)]:
+        mesh, step, placed = sharded_step(shape, params, state)
         with jax.set_mesh(mesh):
-            step = jax.jit(lambda p, g, s: update(p, g, s, kernels="interpret", specs=pspec),
-                           in_shardings=(ps, ps, ss), out_shardings=(ps, ss))
-            got_p, got_s = step(*jax.device_put((params, grads, state), (ps, ps, ss)))
+            got_p, got_s = step(*jax.device_put((params, grads, state), placed))
         # the matrices whose groups line up with their shards ran the kernel on their shard;
         # the others (256 columns = 2 groups over 8 devices) ran the reference
         assert len(sharded) >= 6, (shape, sharded)
@@ -120,14 +125,8 @@ FUSED_SCRIPT = textwrap.dedent(
     params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))[1]
     state = adam.init(params)
     for shape in [(1, 8, 1), (1, 2, 4), (2, 2, 2)]:
-        sharded.clear()
-        mesh = sharding.make_mesh(*shape)
-        pspec = sharding.param_specs(mesh, params)
-        ps = sharding.shardings(mesh, pspec)
-        ss = sharding.shardings(mesh, sharding.optimizer_specs(mesh, adam, state, pspec))
+        mesh, step, _ = sharded_step(shape, params, state)
         with jax.set_mesh(mesh):
-            step = jax.jit(lambda p, g, s: update(p, g, s, kernels="interpret", specs=pspec),
-                           in_shardings=(ps, ps, ss), out_shardings=(ps, ss))
             hlo = step.lower(params, params, state).compile().as_text()
         assert len(sharded) == len(jax.tree.leaves(params)), (shape, sharded)  # norms too
         for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
