@@ -195,6 +195,10 @@ def zeros(shape, fmt: str | Fp8Format, group_size: int, expand: bool = False) ->
     )
 
 
+TINY_AMAX = 2.0**-64
+"""Group maxima below this are scaled up by 2^64 before ``fmax / amax`` (see :func:`encode`)."""
+
+
 def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None, log=jnp.log):
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 
@@ -214,9 +218,13 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
         amax = jnp.max(jnp.abs(x), axis=axes)
     amax = jnp.asarray(amax, jnp.float32)
     # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
-    # into a product with its reciprocal, which flushes to zero for amax > 2^126.
-    factor = fmt.max / jnp.where(amax > 0, amax, 1.0)
-    return saturating_cast(x * factor[bcast], fmt), amax, None
+    # into a product with its reciprocal, which flushes to zero for amax > 2^126. Below
+    # TINY_AMAX, fmax / amax would overflow fp32 (amax < fmax / 3.4e38): x and amax are first
+    # scaled up by 2^64 (exact; 1 elsewhere, so the common case is unchanged bit for bit).
+    safe = jnp.where(amax > 0, amax, 1.0)
+    pre = jnp.where(safe < TINY_AMAX, np.float32(2.0**64), np.float32(1.0))
+    factor = fmt.max / (safe * pre)
+    return saturating_cast((x * pre[bcast]) * factor[bcast], fmt), amax, None
 
 
 def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.log):

@@ -30,10 +30,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from coat_jax.formats import Fp8Format, get_format
-from coat_jax.quant import QuantizedArray, quantize
+from coat_jax.quant import TINY_AMAX, QuantizedArray, quantize
 from pallas_kernels import dispatch, mgpu
 from pallas_kernels.mgpu import pl, plgpu
 from pallas_kernels.quantize import check_args
@@ -127,8 +128,11 @@ def _build_kernel(n_rows, group, in_dtype, fmt: Fp8Format, br, depth, n_ctas):
         # encode(x, fmt, False) on one (br, g) tile, one group per row
         x = mgpu.load(x_smem, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
         amax = jnp.max(jnp.abs(x), axis=1)
-        factor = fmax / jnp.where(amax > 0, amax, 1.0)
-        scaled = x * lax.broadcast_in_dim(factor, (br, group), (0,))
+        safe = jnp.where(amax > 0, amax, 1.0)
+        pre = jnp.where(safe < TINY_AMAX, np.float32(2.0**64), np.float32(1.0))
+        factor = fmax / (safe * pre)
+        bcast = lambda v: lax.broadcast_in_dim(v, (br, group), (0,))
+        scaled = (x * bcast(pre)) * bcast(factor)
         q_smem[...] = jnp.clip(scaled, -fmax, fmax).astype(fmt.dtype)
         amax_smem[...] = amax
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -79,6 +79,15 @@ def test_roundtrip_error_within_format_bound(seed, shape, fmt, group_size, expan
     ),
     fmt=st.sampled_from(["e4m3", "e5m2"]),
     expand=st.booleans(),
+)
+@example(  # a group max near fp32's min normal: fmax / amax used to overflow (0 * inf = NaN)
+    x=np.array([[0.0, 1.587449e-35]], np.float32), fmt="e5m2", expand=False
+)
+@example(  # amax > 2^100 with a tiny element: its decode used to flush to zero
+    x=np.array([[2.623661e33, 1.587449e-35]], np.float32), fmt="e4m3", expand=True
+)
+@example(  # amax = 2^126: 2^-126 from exp2 is 0 in XLA, so the exponent split must stop short
+    x=np.array([[0.0] * 21 + [1.0, 8.5070536e37]], np.float32), fmt="e4m3", expand=True
 )
 def test_roundtrip_bound_on_arbitrary_finite_values(x, fmt, expand):
     q = quantize(jnp.asarray(x), fmt, group_size=16, expand=expand)
