@@ -153,13 +153,7 @@ def plot(curves: dict, path: str) -> None:
                 ax.plot(*points, style, color=color, label=name, alpha=0.85)
     for ax, title in zip(axes, ("train loss", "eval loss"), strict=True):
         ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    train_loop.save_loss_figure(fig, axes, path, "loss (nats/byte)")
 
 
 def device_name() -> str:

@@ -197,9 +197,11 @@ def scale_by_fp8_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         _check_float_leaves(updates, "gradient")
-        mesh = jax.sharding.get_abstract_mesh()
+        from pallas_kernels import dispatch
+
+        mesh = dispatch.multi_device_mesh()
         run_kernel = kernel
-        if kernel is not None and not mesh.empty and mesh.size > 1:
+        if kernel is not None and mesh is not None:
             if kernels != "auto":
                 raise ValueError(
                     f"kernels={kernels!r}: the Pallas moment kernel does not run under a "

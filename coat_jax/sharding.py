@@ -70,11 +70,12 @@ def constrain(x: jax.Array, logical_axes, rules=RULES) -> jax.Array:
     if mesh.empty:
         return x
     dims = zip(logical_axes, x.shape, strict=True)
-    return jax.lax.with_sharding_constraint(x, P(*(_fits(mesh, rules.get(a), n) for a, n in dims)))
+    return jax.lax.with_sharding_constraint(x, P(*(fits(mesh, rules.get(a), n) for a, n in dims)))
 
 
-def _fits(mesh, axis, size: int):
-    """``axis`` if ``size`` divides evenly over it, else ``None`` (replicated)."""
+def fits(mesh, axis, size: int):
+    """``axis`` if ``size`` divides evenly over it, else ``None`` (replicated): the rule by which
+    parameters, activations and the FP8 state's group axes are split."""
     if axis is None:
         return None
     names = axis if isinstance(axis, tuple) else (axis,)
@@ -87,7 +88,7 @@ def param_specs(mesh: Mesh, params: nnx.State, rules=RULES):
     def spec(variable):
         axes = variable.get_metadata().get("logical_axes") or (None,) * variable.ndim
         dims = zip(axes, variable.shape, strict=True)
-        return variable.replace(P(*(_fits(mesh, rules.get(a), n) for a, n in dims)))
+        return variable.replace(P(*(fits(mesh, rules.get(a), n) for a, n in dims)))
 
     return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -99,7 +100,7 @@ def optimizer_specs(mesh: Mesh, optimizer, opt_state, specs):
         if not isinstance(leaf, QuantizedArray):
             return spec if getattr(leaf, "ndim", 0) == len(spec) else P()
         lead = tuple(spec)[:-1]
-        last = _fits(mesh, spec[-1], leaf.amax.shape[-1])
+        last = fits(mesh, spec[-1], leaf.amax.shape[-1])
         per_group = P(*lead, last)
         return QuantizedArray(
             P(*lead, last, None), per_group, None if leaf.k is None else per_group, leaf.last_dim

@@ -33,6 +33,7 @@ __all__ = [
     "make_train_step",
     "peak_flops",
     "plot_metrics",
+    "save_loss_figure",
     "MetricsWriter",
 ]
 
@@ -254,10 +255,19 @@ def plot_metrics(records: list[dict], path: str) -> None:
     for key, style in (("train_loss", "-"), ("eval_loss", "o-")):
         if points := loss_points(records, key):
             ax.plot(*points, style, label=key.replace("_", " "))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    save_loss_figure(fig, [ax], path, "loss (nats/token)")
+
+
+def save_loss_figure(fig, axes, path: str, ylabel: str) -> None:
+    """Labels, grid and legend on each loss-curve axis of ``fig``; writes it to ``path`` (PNG)
+    and closes it (the trainer's plot and bench/fidelity.py's)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import pallas as pl
 
+from coat_jax import sharding
 from coat_jax.optim import ScaleByFp8AdamState
 from coat_jax.quant import QuantizedArray, dequantize, quantize
 from pallas_kernels import adam_step, dispatch
@@ -160,13 +161,8 @@ def _local_specs(p, mu, p_spec, mesh):
     replicates it where it cannot)."""
     spec = (*tuple(p_spec), *(None,) * (p.ndim - len(p_spec)))
     lead, last = spec[:-1], spec[-1]
-    if last is not None:
-        names = last if isinstance(last, tuple) else (last,)
-        ways = 1
-        for name in names:
-            ways *= mesh.shape[name]
-        if mu.amax.shape[-1] % ways:
-            return None
+    if sharding.fits(mesh, last, mu.amax.shape[-1]) != last:  # the state's rule for its groups
+        return None
     P = jax.sharding.PartitionSpec
     return P(*spec), P(*lead, last, None), P(*lead, last)
 
@@ -246,8 +242,8 @@ def fp8_adamw_update(
       ``(new_params, new_state)``.
     """
     mode = dispatch.resolve(kernels, "adam_update")
-    mesh = jax.sharding.get_abstract_mesh()
-    sharded = not mesh.empty and mesh.size > 1
+    mesh = dispatch.multi_device_mesh()
+    sharded = mesh is not None
     if sharded and specs is None and mode != "reference":
         if kernels != "auto":
             raise ValueError(

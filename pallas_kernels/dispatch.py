@@ -92,6 +92,13 @@ def resolve(kernels: str, family: str) -> str:
     return kernels
 
 
+def multi_device_mesh():
+    """The mesh in context (``jax.set_mesh``) when it spans more than one device, else ``None``:
+    where kernels that are not partitioned must not run on whole arrays."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size <= 1 else mesh
+
+
 def check_compiled(interpret: bool, who: str) -> None:
     """Raises ``ValueError`` when ``who`` is asked to compile a kernel off a Hopper GPU."""
     if not interpret and not hopper_gpu():
@@ -138,8 +145,8 @@ def gemm_backend(shape: tuple[int, int, int] | None = None) -> str:
     choice = os.environ.get(GEMM_ENV, "xla").lower()
     if choice not in GEMM_BACKENDS:
         raise ValueError(f"{GEMM_ENV}={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
-    mesh = jax.sharding.get_abstract_mesh()
-    if choice != "xla" and not mesh.empty and mesh.size > 1:  # the kernel is not partitioned
+    mesh = multi_device_mesh()
+    if choice != "xla" and mesh is not None:  # the kernel is not partitioned
         if choice == "pallas":
             raise ValueError(
                 f"{GEMM_ENV}=pallas: the Pallas GEMM runs on one device, not under a "

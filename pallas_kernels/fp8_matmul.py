@@ -623,13 +623,18 @@ def _sample_inputs(variant, m, n, k, a_dtype, b_dtype):
     return a, b, jnp.float32(1.0), jnp.float32(0.0)
 
 
+def _tune_key(variant, m, n, k, a_dtype, b_dtype, out_dtype) -> tuple:
+    """The autotune cache's key: one tuned config per variant, shape and dtypes."""
+    return (variant, m, n, k, jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(out_dtype))
+
+
 def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iters: int = 5,
              candidates=None) -> GemmConfig:  # fmt: skip
     """Times each candidate config on the GPU, caches and returns the fastest (one that
     compiled). Falls back to :data:`DEFAULT_CONFIG` when none runs (errors in AUTOTUNE_LOG,
     and a warning). Call it eagerly (outside ``jit``), e.g. once per shape before training:
     the wrappers use a shape's tuned config under ``jit`` but do not tune while tracing."""
-    key = (variant, m, n, k, jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(out_dtype))
+    key = _tune_key(variant, m, n, k, a_dtype, b_dtype, out_dtype)
     if key in _TUNED:
         return _TUNED[key]
     log = AUTOTUNE_LOG.setdefault(key, [])
@@ -665,7 +670,7 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
 
 def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
     if config is None:
-        key = (variant, m, n, k, jnp.dtype(a.dtype), jnp.dtype(b.dtype), jnp.dtype(out_dtype))
+        key = _tune_key(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         tracing = isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer)
         if _autotune_enabled() and not tracing:
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
