@@ -193,7 +193,7 @@ def summarize(ops, categories: dict[str, str], steps: int, top: int) -> dict:
     scale = 1e-3 / (steps * devices)  # microseconds over all steps and devices -> ms per step
     return {
         "device_ms_per_step": total * scale,
-        "devices": devices,
+        "trace_devices": devices,
         "categories": {
             cat: {"ms_per_step": us * scale, "share": us / total if total else 0.0}
             for cat, us in per_cat.most_common()
@@ -222,7 +222,8 @@ def main(argv=None):
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
               "devices": jax.device_count(), "jax": jax.__version__, "config": args.config,
               "set": args.set, "mesh": dict(placement.mesh.shape),
-              "params": model_config.num_params()}  # fmt: skip
+              "params": model_config.num_params(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "gemm_backend": os.environ.get("COAT_JAX_GEMM", "xla")}  # fmt: skip
     with jax.set_mesh(placement.mesh):
         step = train.make_step(config, graph, optimizer, schedule, placement)
         started = time.perf_counter()

@@ -62,11 +62,11 @@ def fused_step(kernels, params, grads, state, lr=LR, clip=1.0):
 def assert_params_close(got, want, params, grad_dtype):
     """fp32 gradients: equal to fp32 rounding. bf16: the chain rounds ``u`` (and ``lr u`` where
     undecayed) to bf16, which XLA may skip (xla_allow_excess_precision), so one bf16 step of the
-    update is allowed there."""
+    largest update is allowed there: 2^-7 |u| at most (8 significant bits)."""
     for k in SHAPES:
         update = np.abs(np.asarray(want[k]) - np.asarray(params[k])).max()
         assert update > 1e-4  # the step did something to check
-        atol = 2.0**-8 * update if grad_dtype == jnp.bfloat16 else 1e-6 * LR
+        atol = 2.0**-7 * update if grad_dtype == jnp.bfloat16 else 1e-6 * LR
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=atol, err_msg=k)
 
 

@@ -87,7 +87,7 @@ def test_device_ops_and_summary(tmp_path):
     assert layout["/device:GPU:0"] == {"XLA Ops": 2, "Stream #13": 1}
     summary = ps.summarize(ops, ps.hlo_categories(HLO), steps=2, top=2)
     # 1600 us over 2 steps and 2 devices: 0.4 ms per step per device
-    assert summary["devices"] == 2 and summary["device_ms_per_step"] == pytest.approx(0.4)
+    assert summary["trace_devices"] == 2 and summary["device_ms_per_step"] == pytest.approx(0.4)
     cats = summary["categories"]
     assert cats["GEMM, FP8 (cuBLASLt)"]["ms_per_step"] == pytest.approx(0.3)
     assert cats["communication"]["share"] == pytest.approx(0.125)  # by kernel name
