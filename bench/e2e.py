@@ -2,10 +2,10 @@
 
 COAT (arXiv 2410.19313) reports for Llama-2-7B at context 2048 on H100s 80 GB: 1.54x less peak
 memory than BF16 at the same batch (4 GPUs, batch 2), twice the largest batch, 1.45x-1.85x the
-tokens/s (``PAPER`` below). This script measures the same three things on one device for
-``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like FP8 GEMMs) and
-``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios against our
-targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
+tokens/s (``PAPER`` below). This script measures the same three things on one device (or on N
+with ``--fsdp N``) for ``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like
+FP8 GEMMs) and ``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios
+against our targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
 
 Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for the 1.1B):
 
@@ -14,6 +14,23 @@ Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for t
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b \\
       --time_budget_s 300 --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
   # any shape: --model llama2_7b --set model.n_layers=8 (keys of configs.base_config)
+
+On N GPUs of one host (issue 10; ``bench/multi_gpu.sh`` runs this with N = the GPU count), FSDP
+over a ``(data 1, fsdp N, tensor 1)`` mesh, ``--batch`` the global batch (a multiple of N); 8 H200s:
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model llama2_7b \\
+      --fsdp 8 --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \\
+      --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
+
+Memory figures are then per GPU (the peak of the fullest device; the plans are XLA's per-device
+analysis), MFU per GPU, tokens/s both in total and per GPU (``tokens_per_s_per_device``, what
+the paper reports), and the largest-batch search moves N sequences (one per GPU) at a time.
+Policies run on separate GPUs in parallel can be joined into one table (same model, seq_len,
+batch, fsdp and --set, else refused):
+
+  CUDA_VISIBLE_DEVICES=0 ... bench/e2e.py --policies bf16+adamw --json a.json &
+  CUDA_VISIBLE_DEVICES=1 ... bench/e2e.py --policies coat+fp8_adamw --json b.json; wait
+  PYTHONPATH=. python3 bench/e2e.py --merge a.json b.json --json e2e.json
 
 Method. Each policy runs in its own child process (``--one POLICY``), so that the device's
 ``peak_bytes_in_use``, which cannot be reset, is that policy's own; children get
@@ -33,7 +50,7 @@ depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step
    there (memory analysis only);
 3. a line through the two compiled totals predicts the largest batch ``b`` with
    ``total(b) + slack <= device limit``; ``b`` is compiled and run (timed as in 1);
-4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - 1`` is.
+4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - N`` is.
 
 Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
 skips them. ``--time_budget_s`` bounds the whole run: each child gets an equal share of what is
