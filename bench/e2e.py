@@ -2,10 +2,10 @@
 
 COAT (arXiv 2410.19313) reports for Llama-2-7B at context 2048 on H100s 80 GB: 1.54x less peak
 memory than BF16 at the same batch (4 GPUs, batch 2), twice the largest batch, 1.45x-1.85x the
-tokens/s (``PAPER`` below). This script measures the same three things on one device for
-``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like FP8 GEMMs) and
-``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios against our
-targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
+tokens/s (``PAPER`` below). This script measures the same three things on one device (or on N
+with ``--fsdp N``) for ``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like
+FP8 GEMMs) and ``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios
+against our targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
 
 Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for the 1.1B):
 
@@ -14,6 +14,23 @@ Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for t
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b \\
       --time_budget_s 300 --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
   # any shape: --model llama2_7b --set model.n_layers=8 (keys of configs.base_config)
+
+On N GPUs of one host (issue 10; ``bench/multi_gpu.sh`` runs this with N = the GPU count), FSDP
+over a ``(data 1, fsdp N, tensor 1)`` mesh, ``--batch`` the global batch (a multiple of N); 8 H200s:
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model llama2_7b \\
+      --fsdp 8 --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \\
+      --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
+
+Memory figures are then per GPU (the peak of the fullest device; the plans are XLA's per-device
+analysis), MFU per GPU, tokens/s both in total and per GPU (``tokens_per_s_per_device``, what
+the paper reports), and the largest-batch search moves N sequences (one per GPU) at a time.
+Policies run on separate GPUs in parallel can be joined into one table (same model, seq_len,
+batch, fsdp and --set, else refused):
+
+  CUDA_VISIBLE_DEVICES=0 ... bench/e2e.py --policies bf16+adamw --json a.json &
+  CUDA_VISIBLE_DEVICES=1 ... bench/e2e.py --policies coat+fp8_adamw --json b.json; wait
+  PYTHONPATH=. python3 bench/e2e.py --merge a.json b.json --json e2e.json
 
 Method. Each policy runs in its own child process (``--one POLICY``), so that the device's
 ``peak_bytes_in_use``, which cannot be reset, is that policy's own; children get
@@ -33,7 +50,7 @@ depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step
    there (memory analysis only);
 3. a line through the two compiled totals predicts the largest batch ``b`` with
    ``total(b) + slack <= device limit``; ``b`` is compiled and run (timed as in 1);
-4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - 1`` is.
+4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - N`` is.
 
 Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
 skips them. ``--time_budget_s`` bounds the whole run: each child gets an equal share of what is
@@ -83,8 +100,10 @@ PAPER = {
 PLAN_KEYS = ("params", "grads", "optimizer_state", "activations_estimate", "logits_estimate",
              "workspace_estimate", "analytic_total", "compiled_temp", "compiled_total")  # fmt: skip
 # Flags a child inherits from the parent (besides --set).
-FORWARD = ("model", "seq_len", "batch", "steps", "warmup", "max_compiles", "device_limit_gb",
-           "slack_fraction", "cache_dir", "seed")  # fmt: skip
+FORWARD = ("model", "seq_len", "batch", "fsdp", "steps", "warmup", "max_compiles",
+           "device_limit_gb", "slack_fraction", "cache_dir", "seed")  # fmt: skip
+# Run settings that must agree between the JSONs that --merge combines.
+SAME = ("model", "seq_len", "batch", "fsdp", "set")
 
 
 def parse_args(argv=None):
@@ -96,7 +115,11 @@ def parse_args(argv=None):
                         help="config override, e.g. model.n_layers=8 (repeatable)")  # fmt: skip
     parser.add_argument("--policies", default=",".join(POLICIES), help="precision+optimizer, ...")
     parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=1, help="the fixed batch (sequences/step)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="fixed global batch, a multiple of --fsdp")  # fmt: skip
+    parser.add_argument(
+        "--fsdp", type=int, default=1, help="devices: a mesh (1, N, 1) of the first N"
+    )
     parser.add_argument("--steps", type=int, default=6, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--max_compiles", type=int, default=4, help="per policy")
@@ -110,6 +133,8 @@ def parse_args(argv=None):
     parser.add_argument("--time_budget_s", type=float, help="stop searching after this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write results here")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="one table from these runs' JSONs")  # fmt: skip
     parser.add_argument("--one", metavar="POLICY", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--out", help=argparse.SUPPRESS)  # child: where its JSON goes
     return parser.parse_args(argv)
@@ -135,6 +160,21 @@ def bench_config(args, policy: str):
     return config
 
 
+def check_args(args) -> None:
+    """Raises ValueError (one line) on a mesh or batch that cannot run, before any child."""
+    if args.fsdp < 1:
+        raise ValueError(f"--fsdp {args.fsdp}: expected a positive number of devices")
+    if args.batch < 1 or args.batch % args.fsdp:
+        raise ValueError(
+            f"--batch {args.batch} (global) must be a positive multiple of --fsdp {args.fsdp}"
+        )
+
+
+def check_devices(n: int) -> None:
+    if n > jax.device_count():
+        raise ValueError(f"--fsdp {n}: only {jax.device_count()} devices here")
+
+
 def is_oom(error: Exception) -> bool:
     text = str(error)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
@@ -147,28 +187,39 @@ def measure(args, policy: str) -> dict:
     import numpy as np
     from flax import nnx
 
-    from coat_jax import configs, planner, train_loop
+    from coat_jax import configs, parallel, planner, sharding, train_loop
     from coat_jax.models.llama import Llama, init_params
 
+    n = args.fsdp
+    check_devices(n)
     started = time.perf_counter()
     deadline = started + args.time_budget_s if args.time_budget_s else math.inf
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     config = bench_config(args, policy)
     model_config = configs.llama_config(config)
     optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
-    fused = train_loop.make_fused_update(config.optimizer, schedule)
     graph, abstract = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
     abstract_state = jax.eval_shape(optimizer.init, abstract)
-    train_step = train_loop.make_train_step(graph, optimizer, fused_update=fused)
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    limit = args.device_limit_gb * 1e9 if args.device_limit_gb else stats.get("bytes_limit")
+    # One device: no mesh, no placement (the unsharded step); N: FSDP over the first N.
+    mesh = sharding.make_mesh(data=1, fsdp=n, tensor=1, devices=jax.devices()[:n])
+    placement = parallel.make_placement(mesh, abstract, optimizer) if n > 1 else None
+    on_mesh = (lambda: jax.set_mesh(mesh)) if placement else contextlib.nullcontext
+    fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
+    train_step = train_loop.make_train_step(graph, optimizer, placement, fused_update=fused)
+    devices = list(mesh.devices.flat)
+    device = devices[0]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    limit = (
+        args.device_limit_gb * 1e9
+        if args.device_limit_gb
+        else (None if None in limits else min(limits))
+    )
     seq, b0 = args.seq_len, args.batch
     flops_per_token = train_loop.flops_per_token(model_config, seq)
     peak_flops = train_loop.peak_flops()
     result = {
         "policy": policy, "fused_optimizer": fused is not None, "device": device.device_kind,
-        "jax": jax.__version__,
+        "devices": n, "mesh": dict(mesh.shape), "jax": jax.__version__,
         "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
         "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
         "phases_s": {},
@@ -192,16 +243,22 @@ def measure(args, policy: str) -> dict:
             save()
 
     def fresh_state():
-        params = init_params(model_config, args.seed)[1]
+        params = init_params(model_config, args.seed, placement and placement.params)[1]
+        if placement:
+            return params, jax.block_until_ready(placement.init_opt_state(optimizer, params))
         return params, jax.block_until_ready(jax.jit(optimizer.init)(params))
+
+    def peak_bytes():  # per device: the largest over the mesh's devices
+        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+        return None if None in peaks else max(peaks)
 
     compiled, plans = {}, {}
 
     def compile_at(b):
         batch = jax.ShapeDtypeStruct((1, b, seq + 1), jnp.int32)
-        with phase(f"compile batch {b}"):
+        with phase(f"compile batch {b}"), on_mesh():
             plans[b] = planner.memory_plan(
-                train_step, graph, abstract, abstract_state, batch, model_config
+                train_step, graph, abstract, abstract_state, batch, model_config, placement
             )
             compiled[b] = train_step.lower(abstract, abstract_state, batch).compile()  # cached
         result["compiles"] += 1
@@ -211,6 +268,8 @@ def measure(args, policy: str) -> dict:
     def run_at(b, params, opt_state):
         """Timed steps at batch ``b``: (row, params, opt_state); re-created after an OOM."""
         tokens = jax.random.randint(jax.random.key(b), (1, b, seq + 1), 0, model_config.vocab_size)
+        if placement:
+            tokens = jax.device_put(tokens, placement.batch)
         times, step = [], compiled[b]
         try:
             with phase(f"run batch {b}"):
@@ -229,11 +288,11 @@ def measure(args, policy: str) -> dict:
                     params, opt_state = fresh_state()
             return {"batch": b, "oom": True}, params, opt_state
         seconds = float(np.median(times))
-        peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
         row = {"batch": b, "oom": False, "step_s": seconds, "step_s_min": float(min(times)),
-               "tokens_per_s": b * seq / seconds, "loss": float(metrics["loss"]),
-               "peak_bytes": peak}  # fmt: skip
-        row["mfu"] = flops_per_token * b * seq / seconds / peak_flops if peak_flops else None
+               "tokens_per_s": b * seq / seconds, "tokens_per_s_per_device": b * seq / seconds / n,
+               "loss": float(metrics["loss"]), "peak_bytes": peak_bytes()}  # fmt: skip
+        mfu = flops_per_token * b * seq / seconds / (peak_flops * n) if peak_flops else None
+        row["mfu"] = mfu  # per device
         return row, params, opt_state
 
     with phase("init params + optimizer state"):
@@ -257,24 +316,25 @@ def measure(args, policy: str) -> dict:
         return result
     fits = lambda b: plans[b]["compiled_total"] + slack <= limit
 
-    def analytic(b):  # the planner's analytic total at batch b, scaled from the fixed batch
-        per = lambda key: plan0[key] / b0
+    # The plans are per device; batches are global, in steps of n (one sequence more per device).
+    def analytic(b):  # the planner's analytic total at global batch b, scaled from the fixed one
+        per = lambda key: plan0[key] / b0  # per device, per global sequence
         activations = (per("activations_estimate") + 2 * per("logits_estimate")) * b
         return (plan0["params"] + plan0["optimizer_state"] + max(activations, plan0["grads"])
                 + per("workspace_estimate") * b)  # fmt: skip
 
     b_analytic = 0
-    while b_analytic < 4096 and analytic(b_analytic + 1) + slack <= limit:
-        b_analytic += 1
+    while b_analytic < 4096 * n and analytic(b_analytic + n) + slack <= limit:
+        b_analytic += n
     result["predicted_max_batch_analytic"] = b_analytic
     if result["fixed"]["oom"]:
-        if b0 == 1:
-            result.update(max_batch=0, search="done: batch 1 does not fit")
+        if b0 == n:
+            result.update(max_batch=0, search=f"done: batch {b0} does not fit")
             save()
             return result
-        probe = max(1, min(b_analytic, b0 - 1))
+        probe = max(n, min(b_analytic, b0 - n))
     else:
-        probe = max(b_analytic, b0 + 1)
+        probe = max(b_analytic, b0 + n)
     if time.perf_counter() > deadline:
         result["search"] = "stopped: time budget (before the probe compile)"
         save()
@@ -282,17 +342,14 @@ def measure(args, policy: str) -> dict:
     compile_at(probe)
     (lo, t_lo), (hi, t_hi) = sorted((b, plans[b]["compiled_total"]) for b in (b0, probe))
     slope = (t_hi - t_lo) / (hi - lo)
-    b = (
-        probe
-        if slope <= 0
-        else probe + math.floor((limit - slack - plans[probe]["compiled_total"]) / slope)
-    )
-    b = min(max(b, 1), 4 * max(probe, b0))
+    room = limit - slack - plans[probe]["compiled_total"]
+    b = probe if slope <= 0 else probe + n * math.floor(room / (slope * n))
+    b = min(max(b, n), 4 * max(probe, b0))
     result["predicted_max_batch"] = b
     result["compiled_bytes_per_sequence"] = slope
     result["search"] = "done"
     while True:
-        if b < 1:
+        if b < n:
             result["max_batch"] = 0
             break
         if b == b0 and not result["fixed"]["oom"]:
@@ -308,13 +365,13 @@ def measure(args, policy: str) -> dict:
             compile_at(b)
         if not fits(b):
             print(f"[{policy}] batch {b}: plan + slack over the limit, backing off", flush=True)
-            b -= 1
+            b -= n
             continue
         row, params, opt_state = run_at(b, params, opt_state)
         if not row["oom"]:
             result["max_batch"], result["max"] = b, row
             break
-        b -= 1
+        b -= n
     save()
     return result
 
@@ -352,27 +409,43 @@ def fmt(value, spec="{:.2f}", none="-"):
     return none if value is None else spec.format(value)
 
 
-def table(results: list[dict], ratios: dict, batch: int) -> str:
+def table(results: list[dict], ratios: dict, batch: int, devices: int = 1) -> str:
+    """Markdown rows, one per policy; with ``devices`` > 1 memory is per device (the largest)
+    and tokens/s at the largest batch also per device."""
     gb = lambda b: fmt(b and b / 1e9, "{:.3g}")
+    per = devices > 1
     lines = [
-        f"| policy | peak GB @ batch {batch} | vs bf16 | planned GB | vs bf16 | max batch | "
-        f"vs bf16 | tok/s @ {batch} | MFU | tok/s @ max | MFU | vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| policy | peak GB{'/GPU' if per else ''} @ batch {batch} | vs bf16 | planned GB | "
+        f"vs bf16 | max batch | vs bf16 | tok/s @ {batch} | MFU | tok/s @ max | "
+        + ("tok/s/GPU | " if per else "")
+        + "MFU | vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if per else "") + "---|---|",
     ]
     for r in results:
         f, m, q = r.get("fixed") or {}, r.get("max") or {}, ratios.get(r["policy"], {})
         plan = r.get("plans", {}).get(str(f.get("batch")), {})
         peak = "OOM" if f.get("oom") else gb(f.get("peak_bytes"))
+        per_device = f"{fmt(m.get('tokens_per_s_per_device'), '{:.0f}')} | " if per else ""
         lines.append(
             f"| {r['policy']} | {peak} | {fmt(q.get('peak_memory_ratio_same_batch'), '{:.2f}x')} | "
             f"{gb(plan.get('compiled_total'))} | "
             f"{fmt(q.get('planned_memory_ratio_same_batch'), '{:.2f}x')} | "
             f"{fmt(r.get('max_batch'), '{}')} | {fmt(q.get('max_batch_ratio'), '{:.2f}x')} | "
             f"{fmt(f.get('tokens_per_s'), '{:.0f}')} | {fmt(f.get('mfu'))} | "
-            f"{fmt(m.get('tokens_per_s'), '{:.0f}')} | {fmt(m.get('mfu'))} | "
+            f"{fmt(m.get('tokens_per_s'), '{:.0f}')} | {per_device}{fmt(m.get('mfu'))} | "
             f"{fmt(q.get('tokens_per_s_ratio_at_max_batch'), '{:.2f}x')} |"
         )
     return "\n".join(lines)
+
+
+def paper_row(devices: int) -> str | None:
+    """COAT's Table 3 row with the same GPU count, as one line (None if it has none)."""
+    key = next((k for k in PAPER if k.split(",")[0] == f"{devices} GPU"), None)
+    if key is None:
+        return None
+    show = lambda v: ", ".join(f"{k} {x}" for k, x in v.items()) if isinstance(v, dict) else v
+    row = "; ".join(f"{k} {show(v)}" for k, v in PAPER[key].items())
+    return f"paper, {key} (H100 80 GB; tokens/s per GPU): {row}"
 
 
 def run_child(args, policy: str, budget: float | None) -> dict:
@@ -400,12 +473,94 @@ def run_child(args, policy: str, budget: float | None) -> dict:
         return result
 
 
+def report(config: dict, results: list[dict], wall_s: float, path: str | None, **extra):
+    """Prints the table and ratios of ``results``; writes them with ``config`` to ``path``."""
+    ratios = summarize(results)
+    measured = [r for r in results if "device" in r]
+    first = measured[0] if measured else {}
+    devices = config.get("fsdp", 1)
+    limit = first.get("device_limit_bytes")
+    mesh = ", ".join(f"{k} {v}" for k, v in first.get("mesh", {}).items())
+    print(
+        f"\n{config['model']} ({fmt(first.get('params') and first['params'] / 1e6, '{:.4g}M')} "
+        f"params), seq {config['seq_len']}, synthetic tokens, on {devices} x "
+        f"{first.get('device')} (mesh {mesh or '-'}; limit "
+        f"{fmt(limit and limit / 1e9, '{:.3g} GB')} per device), jax {jax.__version__}, "
+        f"{wall_s:.0f} s"
+    )
+    print(table(results, ratios, config["batch"], devices))
+    if devices > 1 and paper_row(devices):
+        print(paper_row(devices))
+    print(f"targets vs bf16: {TARGETS}")
+    if path:
+        out = {
+            "date": datetime.date.today().isoformat(),
+            "device": first.get("device"),
+            "devices": devices,
+            "mesh": first.get("mesh"),
+            "device_limit_bytes": limit,
+            "jax": jax.__version__,
+            "config": config,
+            "data": "synthetic: uniform random token ids, a new batch per batch size",
+            "wall_s": wall_s,
+            "results": results,
+            "ratios_vs_bf16": ratios,
+            "targets": TARGETS,
+            "paper": PAPER,
+        } | extra
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+
+
+def merge(paths: list[str], path: str | None) -> None:
+    """One report from the JSONs of separate runs (e.g. one policy per GPU, in parallel)."""
+    reports = []
+    for p in paths:
+        with open(p) as f:
+            reports.append(json.load(f))
+    defaults = {"fsdp": 1, "set": []}
+    same = lambda r: {k: r["config"].get(k, defaults.get(k)) for k in SAME}
+    for p, r in zip(paths[1:], reports[1:], strict=True):
+        differ = [k for k in SAME if same(r)[k] != same(reports[0])[k]]
+        if differ:
+            raise ValueError(
+                f"--merge: {p} differs from {paths[0]} in "
+                + ", ".join(f"{k} ({same(r)[k]!r} vs {same(reports[0])[k]!r})" for k in differ)
+            )
+    results = [x for r in reports for x in r["results"]]
+    policies = [x["policy"] for x in results]
+    if len(set(policies)) < len(policies):
+        raise ValueError(f"--merge: a policy appears twice in {policies}")
+    wall_s = max(r.get("wall_s", 0) for r in reports)  # separate runs: in parallel, say
+    report(reports[0]["config"], results, wall_s, path, merged_from=paths)
+
+
 def main():
     args = parse_args()
     if args.one:
+        try:
+            check_devices(args.fsdp)
+        except ValueError as e:
+            if not args.out:
+                raise
+            with open(args.out, "w") as f:  # the parent reports it
+                json.dump({"policy": args.one, "error": str(e)}, f)
+            sys.exit(2)
         result = measure(args, args.one)
         print(json.dumps({k: result[k] for k in ("policy", "max_batch", "search")}))
         return
+    try:
+        run(args)
+    except ValueError as e:
+        sys.exit(f"e2e.py: {e}")
+
+
+def run(args) -> None:
+    if args.merge:
+        merge(args.merge, args.json)
+        return
+    check_args(args)
     policies = args.policies.split(",")
     for policy in policies:
         bench_config(args, policy)  # fail fast on a bad policy, model or override
@@ -421,37 +576,12 @@ def main():
             budget = left / (len(policies) - i)
         print(f"== {policy} (budget {fmt(budget, '{:.0f} s', 'none')})", flush=True)
         results.append(run_child(args, policy, budget))
-    ratios = summarize(results)
-    measured = [r for r in results if "device" in r]
-    device = measured[0]["device"] if measured else None
-    limit = measured[0]["device_limit_bytes"] if measured else None
-    config = bench_config(args, policies[0]).model.to_dict()
-    print(
-        f"\n{args.model} ({fmt(measured and measured[0]['params'] / 1e6, '{:.4g}M')} params), "
-        f"seq {args.seq_len}, synthetic tokens, on {device} "
-        f"(limit {fmt(limit and limit / 1e9, '{:.3g} GB')}), jax {jax.__version__}, "
-        f"{time.perf_counter() - started:.0f} s"
-    )
-    print(table(results, ratios, args.batch))
-    print(f"targets vs bf16: {TARGETS}")
-    if args.json:
-        report = {
-            "date": datetime.date.today().isoformat(),
-            "device": device,
-            "device_limit_bytes": limit,
-            "jax": jax.__version__,
-            "config": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")}
-            | {"model_fields": config},
-            "data": "synthetic: uniform random token ids, a new batch per batch size",
-            "wall_s": time.perf_counter() - started,
-            "results": results,
-            "ratios_vs_bf16": ratios,
-            "targets": TARGETS,
-            "paper": PAPER,
-        }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        if "error" in results[-1]:
+            raise ValueError(results[-1]["error"])
+    skip = ("json", "one", "out", "merge")
+    config = {k: v for k, v in vars(args).items() if k not in skip}
+    config["model_fields"] = bench_config(args, policies[0]).model.to_dict()
+    report(config, results, time.perf_counter() - started, args.json)
 
 
 if __name__ == "__main__":

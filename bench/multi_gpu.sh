@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 10 (and issue 7's 2-GPU numbers): COAT's Table 3 on N GPUs of one host, FSDP over all
+# of them: Llama-2-7B, context 2048, global batch N (one sequence per GPU), bf16+adamw against
+# coat+fp8_adamw (peak memory per GPU, largest batch, tokens/s total and per GPU, MFU).
+#
+#   OUT=/some/dir bash bench/multi_gpu.sh       (N = nvidia-smi's GPU count; OUT: bench/results)
+#
+# On 8 H200s that runs (BUDGET: the whole run's time budget in seconds, default 540):
+#
+#   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/e2e.py --model llama2_7b --fsdp 8 \
+#     --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \
+#     --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
+#
+# GPUS=2 uses the first two GPUs only. Each policy runs in its own child process (see e2e.py).
+source "$(dirname "$0")/gpu_env.sh"
+
+N=${GPUS:-$(nvidia-smi -L | wc -l)}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+echo "== e2e: llama2_7b, FSDP over $N GPUs, global batch $N"
+$PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" \
+  --policies bf16+adamw,coat+fp8_adamw --time_budget_s "${BUDGET:-540}" \
+  --json "$OUT/e2e_llama2_7b_${N}xh200_$DAY.json" \
+  2>&1 | tee "$OUT/e2e_llama2_7b_${N}xh200_$DAY.txt"
