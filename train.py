@@ -79,7 +79,10 @@ def make_step(config, graph, optimizer, schedule, placement):
     fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
     if fused is not None:
         log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
-    return train_loop.make_train_step(graph, optimizer, placement, fused_update=fused)
+    return train_loop.make_train_step(
+        graph, optimizer, placement, fused_update=fused,
+        compiler_options=train_loop.compiler_options(config.precision),
+    )  # fmt: skip
 
 
 def dry_run(config, model_config, graph, params, optimizer, schedule, placement) -> None:

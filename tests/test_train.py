@@ -275,3 +275,22 @@ def test_config_overrides_from_strings():
     assert (config.optimizer.lr, config.precision, config.mesh.fsdp) == (1e-3, "coat", -1)
     with pytest.raises(ValueError, match="'precision': expected KEY=VALUE"):
         configs.parse_overrides(["precision"])
+
+
+def test_fp8_policies_compile_gemms_without_triton_on_a_gpu(monkeypatch):
+    """FP8 steps on a GPU ask XLA for cuBLASLt GEMMs only; BF16 and other backends keep the
+    defaults; the option reaches jax.jit (a GPU-only XLA option compiles on the CPU too)."""
+    assert train_loop.compiler_options("coat") is None  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    want = {"xla_gpu_enable_triton_gemm": False}
+    assert train_loop.compiler_options("coat") == want
+    assert train_loop.compiler_options("fp8_linear") == want
+    assert train_loop.compiler_options("bf16") is None
+    monkeypatch.undo()
+    config = load_config("llama_tiny")
+    graph, params = nnx.split(Llama(llama_config(config), rngs=nnx.Rngs(0)))
+    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    step = train_loop.make_train_step(graph, optimizer, compiler_options=want)
+    batch = jnp.zeros((1, 2, 65), jnp.int32)
+    _, _, metrics = step(params, optimizer.init(params), batch)
+    assert np.isfinite(float(metrics["loss"]))
