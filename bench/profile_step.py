@@ -258,7 +258,11 @@ def main(argv=None):
                 times.append((time.perf_counter() - t0) * 1e3)
     result["step_ms_median"] = statistics.median(times)
     result["tokens_per_s"] = config.batch_size * config.seq_len / (result["step_ms_median"] / 1e3)
-    flops = train_loop.flops_per_token(model_config, config.seq_len) * config.batch_size
+    flops = (
+        train_loop.flops_per_token(model_config, config.seq_len)
+        * config.batch_size
+        * config.seq_len
+    )
     peak = train_loop.peak_flops(config.peak_tflops)
     if peak:
         result["mfu"] = flops / (result["step_ms_median"] / 1e3) / (peak * jax.device_count())
