@@ -101,20 +101,6 @@ def variants():
         q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25)
         return q.data, q.amax
 
-    def forced(kind, **option):
-        """The variant with the default config plus ``option`` (no autotune)."""
-        variant = "block_scaled" if kind == "block" else "quantize_1x16"
-        out = jnp.bfloat16 if kind == "block" else jnp.float32
-        cfg = fm.fit_smem(dataclasses.replace(fm.DEFAULT_CONFIG, **option), variant, out)
-
-        def fn(x):
-            if kind == "block":
-                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
-            q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25, config=cfg)
-            return q.data, q.amax
-
-        return fn
-
     ref_pt = lambda x: fm.fp8_matmul_reference(x["a8"], x["b8"], 0.5, 0.25, out_dtype=jnp.float32)
     ref_bs = lambda x: fm.fp8_matmul_block_scaled_reference(
         x["a8"], x["sa"], x["b8"], x["sb"], out_dtype=jnp.float32
@@ -125,9 +111,7 @@ def variants():
         "XLA cuBLASLt FP8, (N, K) weight": (xla_fp8_tn, None),
         "Pallas per-tensor": (per_tensor, ref_pt),
         "Pallas block-scaled": (block, ref_bs),
-        "Pallas block-scaled (overlap)": (forced("block", overlap_promotion=True), ref_bs),
         "Pallas fused 1x16": (quant, ref_pt),
-        "Pallas fused 1x16 (amax rows)": (forced("quant", amax_row_major=True), ref_pt),
     }
 
 
@@ -217,9 +201,7 @@ def main():
     ratios = {  # column -> (numerator, denominator): TFLOP/s ratios
         "Pallas/cuBLASLt": ("Pallas per-tensor", "XLA cuBLASLt FP8"),
         "block/cuBLASLt": ("Pallas block-scaled", "XLA cuBLASLt FP8"),
-        "block overlap/cuBLASLt": ("Pallas block-scaled (overlap)", "XLA cuBLASLt FP8"),
         "1x16/per-tensor": ("Pallas fused 1x16", "Pallas per-tensor"),
-        "1x16 amax rows/per-tensor": ("Pallas fused 1x16 (amax rows)", "Pallas per-tensor"),
     }
     print("| M x K x N | " + " | ".join([*names, *ratios]) + " |")
     print("|---" * (len(names) + len(ratios) + 1) + "|")
