@@ -7,6 +7,9 @@ time over --iters runs, from CUPTI kernel timings (jax.experimental.mosaic.gpu.p
 every kernel the call launches, so padding, transposes and the scale multiply count), else a
 host-timed loop of --inner launches. --check compares each Pallas variant with its reference on
 small shapes first; a variant that fails (to lower, or to match) is reported and skipped.
+Each Pallas variant's autotuned config is printed when chosen and recorded per shape
+(``tuned_config``); --json is rewritten after every shape, so a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -175,7 +178,21 @@ def main():
             if ref is not None and (msg := check(name, fn, ref)):
                 print(f"  check {name} FAILED: {msg}", flush=True)
                 errors[name] = f"check: {msg}"
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     rows = []
+
+    def write_json(done: bool) -> None:
+        """Everything measured so far (rewritten after each shape: a timeout keeps it)."""
+        if not args.json:
+            return
+        tuned = {str(k): dataclasses.asdict(v) for k, v in fm._TUNED.items()}
+        tune_log = {str(k): v for k, v in fm.AUTOTUNE_LOG.items()}
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                       "iters": args.iters, "complete": done, "rows": rows,
+                       "check_errors": errors, "tuned_configs": tuned,
+                       "autotune_log": tune_log}, f, indent=2)  # fmt: skip
+
     for m, k, n in shapes:
         x = inputs(m, k, n)
         row = {"M": m, "K": k, "N": n}
@@ -183,6 +200,7 @@ def main():
             if name in errors:
                 row[name] = None
                 continue
+            tuned_before = set(fm._TUNED)
             try:
                 jax.block_until_ready(fn(x))  # eager first call: autotunes this shape
                 ms, how = measure(fn if name.startswith("XLA") else jax.jit(fn), x)
@@ -192,10 +210,17 @@ def main():
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            # the autotune winner(s) this variant's first call chose (none for XLA)
+            new = {str(key): dataclasses.asdict(fm._TUNED[key])
+                   for key in fm._TUNED if key not in tuned_before}  # fmt: skip
+            if new:
+                row[name]["tuned_config"] = new if len(new) > 1 else next(iter(new.values()))
+                for key, cfg in new.items():
+                    print(f"  {(m, k, n)} {name}: tuned {key} -> {cfg}", flush=True)
             print(f"  {(m, k, n)} {name}: {row[name]}", flush=True)
         rows.append(row)
+        write_json(done=False)
 
-    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     print(f"\nTFLOP/s (median of {args.iters}), {device}")
     names = list(table)
     ratios = {  # column -> (numerator, denominator): TFLOP/s ratios
@@ -215,13 +240,8 @@ def main():
             ok = a and b and "TFLOPs" in a and "TFLOPs" in b
             cells.append(f"{a['TFLOPs'] / b['TFLOPs']:.2f}" if ok else "")
         print(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + " |")
-    tuned = {str(k): dataclasses.asdict(v) for k, v in fm._TUNED.items()}
-    tune_log = {str(k): v for k, v in fm.AUTOTUNE_LOG.items()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "device": device,
-                       "iters": args.iters, "rows": rows, "check_errors": errors,
-                       "tuned_configs": tuned, "autotune_log": tune_log}, f, indent=2)  # fmt: skip
+        write_json(done=True)
         print(f"wrote {args.json}")
 
 
