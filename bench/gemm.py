@@ -7,6 +7,9 @@ time over --iters runs, from CUPTI kernel timings (jax.experimental.mosaic.gpu.p
 every kernel the call launches, so padding, transposes and the scale multiply count), else a
 host-timed loop of --inner launches. --check compares each Pallas variant with its reference on
 small shapes first; a variant that fails (to lower, or to match) is reported and skipped.
+Each Pallas variant's autotuned config is printed when chosen and recorded per shape
+(``tuned_config``); --json is rewritten after every shape, so a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -101,20 +104,6 @@ def variants():
         q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25)
         return q.data, q.amax
 
-    def forced(kind, **option):
-        """The variant with the default config plus ``option`` (no autotune)."""
-        variant = "block_scaled" if kind == "block" else "quantize_1x16"
-        out = jnp.bfloat16 if kind == "block" else jnp.float32
-        cfg = fm.fit_smem(dataclasses.replace(fm.DEFAULT_CONFIG, **option), variant, out)
-
-        def fn(x):
-            if kind == "block":
-                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
-            q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25, config=cfg)
-            return q.data, q.amax
-
-        return fn
-
     ref_pt = lambda x: fm.fp8_matmul_reference(x["a8"], x["b8"], 0.5, 0.25, out_dtype=jnp.float32)
     ref_bs = lambda x: fm.fp8_matmul_block_scaled_reference(
         x["a8"], x["sa"], x["b8"], x["sb"], out_dtype=jnp.float32
@@ -125,9 +114,7 @@ def variants():
         "XLA cuBLASLt FP8, (N, K) weight": (xla_fp8_tn, None),
         "Pallas per-tensor": (per_tensor, ref_pt),
         "Pallas block-scaled": (block, ref_bs),
-        "Pallas block-scaled (overlap)": (forced("block", overlap_promotion=True), ref_bs),
         "Pallas fused 1x16": (quant, ref_pt),
-        "Pallas fused 1x16 (amax rows)": (forced("quant", amax_row_major=True), ref_pt),
     }
 
 
@@ -191,7 +178,21 @@ def main():
             if ref is not None and (msg := check(name, fn, ref)):
                 print(f"  check {name} FAILED: {msg}", flush=True)
                 errors[name] = f"check: {msg}"
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     rows = []
+
+    def write_json(done: bool) -> None:
+        """Everything measured so far (rewritten after each shape: a timeout keeps it)."""
+        if not args.json:
+            return
+        tuned = {str(k): dataclasses.asdict(v) for k, v in fm._TUNED.items()}
+        tune_log = {str(k): v for k, v in fm.AUTOTUNE_LOG.items()}
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device,
+                       "iters": args.iters, "complete": done, "rows": rows,
+                       "check_errors": errors, "tuned_configs": tuned,
+                       "autotune_log": tune_log}, f, indent=2)  # fmt: skip
+
     for m, k, n in shapes:
         x = inputs(m, k, n)
         row = {"M": m, "K": k, "N": n}
@@ -199,6 +200,7 @@ def main():
             if name in errors:
                 row[name] = None
                 continue
+            tuned_before = set(fm._TUNED)
             try:
                 jax.block_until_ready(fn(x))  # eager first call: autotunes this shape
                 ms, how = measure(fn if name.startswith("XLA") else jax.jit(fn), x)
@@ -208,18 +210,23 @@ def main():
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            # the autotune winner(s) this variant's first call chose (none for XLA)
+            new = {str(key): dataclasses.asdict(fm._TUNED[key])
+                   for key in fm._TUNED if key not in tuned_before}  # fmt: skip
+            if new:
+                row[name]["tuned_config"] = new if len(new) > 1 else next(iter(new.values()))
+                for key, cfg in new.items():
+                    print(f"  {(m, k, n)} {name}: tuned {key} -> {cfg}", flush=True)
             print(f"  {(m, k, n)} {name}: {row[name]}", flush=True)
         rows.append(row)
+        write_json(done=False)
 
-    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     print(f"\nTFLOP/s (median of {args.iters}), {device}")
     names = list(table)
     ratios = {  # column -> (numerator, denominator): TFLOP/s ratios
         "Pallas/cuBLASLt": ("Pallas per-tensor", "XLA cuBLASLt FP8"),
         "block/cuBLASLt": ("Pallas block-scaled", "XLA cuBLASLt FP8"),
-        "block overlap/cuBLASLt": ("Pallas block-scaled (overlap)", "XLA cuBLASLt FP8"),
         "1x16/per-tensor": ("Pallas fused 1x16", "Pallas per-tensor"),
-        "1x16 amax rows/per-tensor": ("Pallas fused 1x16 (amax rows)", "Pallas per-tensor"),
     }
     print("| M x K x N | " + " | ".join([*names, *ratios]) + " |")
     print("|---" * (len(names) + len(ratios) + 1) + "|")
@@ -233,13 +240,8 @@ def main():
             ok = a and b and "TFLOPs" in a and "TFLOPs" in b
             cells.append(f"{a['TFLOPs'] / b['TFLOPs']:.2f}" if ok else "")
         print(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + " |")
-    tuned = {str(k): dataclasses.asdict(v) for k, v in fm._TUNED.items()}
-    tune_log = {str(k): v for k, v in fm.AUTOTUNE_LOG.items()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "device": device,
-                       "iters": args.iters, "rows": rows, "check_errors": errors,
-                       "tuned_configs": tuned, "autotune_log": tune_log}, f, indent=2)  # fmt: skip
+        write_json(done=True)
         print(f"wrote {args.json}")
 
 

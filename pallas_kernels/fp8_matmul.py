@@ -41,6 +41,19 @@ bytes) and of the output; shapes that are multiples cost nothing. The fused epil
 ``tile_n == 128`` per warpgroup (one weight block per warpgroup). Kernels compile only on a
 Hopper GPU with jax >= 0.11 (Mosaic GPU, mixed E4M3/E5M2 ``wgmma``); the ``*_reference``
 functions are the specification and run anywhere.
+
+Tried and removed (H200, jax 0.11.2, 2026-11-30), so nobody re-tries them blindly:
+
+* block scaling with the promotion overlapped with the next step's ``wgmma`` (two fp32
+  accumulators in registers, ``wgmma_wait(1)``, ``delay_release=1``): correct (rel. err.
+  1.66e-3, as the plain path) but 138 TFLOP/s vs 990-1005 for the plain kernel on
+  8192x4096x4096 and 8192x4096x11008, 7x slower (register pressure / serialised waits).
+* the 1x16 epilogue storing the group amax row-major, ``(M, N/16)``, by one TMA copy of a
+  ``(tile_m, tile_n/16)`` shared-memory tile written as strided columns (to skip XLA's
+  transpose): does not lower on the GPU (Mosaic GPU layout inference: "We cannot apply swizzle
+  to non-contiguous refs"; it lowers to MLIR on CPU, so CPU tests do not catch it). Nor does a
+  register-assembled tile stored in one go (no swizzle for 8-wide fp32 rows under the WGMMA
+  layout).
 """
 
 from __future__ import annotations
@@ -100,19 +113,6 @@ class GemmConfig:
       grid_minor: the output-tile walk's minor dimension, ``"m"`` or ``"n"``.
       grid_tile_width: tiles per band of the walk (L2 reuse).
       epi_tile_m, epi_tile_n: staging tile of the BF16/fp32 epilogue.
-      overlap_promotion: block scaling only. ``False``: each K step's ``wgmma`` is waited for
-        before its partial sum is promoted (MMA and promotion serialise). ``True``: step
-        ``i``'s ``wgmma`` is issued into a fresh accumulator and left in flight
-        (``wgmma_wait(1)``) while step ``i - 1``'s partial sum, carried in registers, is
-        scaled and added; the last one is promoted after the loop. Two ``tile_m x tile_n``
-        fp32 accumulators live in registers (no shared memory), and the pipeline releases a
-        slot one step later (``delay_release=1``), so one fewer step is prefetched.
-      amax_row_major: 1x16 epilogue only. ``False``: the group maxima are stored ``(N/16,
-        M)`` and transposed by XLA in the wrapper. ``True``: each warpgroup writes its group
-        maxima as strided columns of a ``(tile_m, tile_n/16)`` shared-memory tile (same bytes)
-        and stores it ``(M, N/16)`` with one TMA copy (no transpose pass); ``tile_n % 64 ==
-        0`` (16-byte TMA rows). (A register-assembled tile stored in one go does not lower:
-        Mosaic GPU finds no swizzle for 8-wide fp32 rows under the WGMMA layout.)
     """
 
     tile_m: int = 128
@@ -124,8 +124,6 @@ class GemmConfig:
     grid_tile_width: int = 8
     epi_tile_m: int = 64
     epi_tile_n: int = 64
-    overlap_promotion: bool = False
-    amax_row_major: bool = False
 
     @property
     def cta_m(self) -> int:
@@ -149,15 +147,6 @@ class GemmConfig:
             raise ValueError(f"{self}: block scaling needs tile_k == tile_n == {BLOCK}")
         if variant == "quantize_1x16" and self.tile_n % GROUP:
             raise ValueError(f"{self}: the 1x16 epilogue needs tile_n % {GROUP} == 0")
-        if self.overlap_promotion and variant != "block_scaled":
-            raise ValueError(f"{self}: overlap_promotion is a block-scaled option")
-        if self.amax_row_major and variant != "quantize_1x16":
-            raise ValueError(f"{self}: amax_row_major is a 1x16-epilogue option")
-        if self.amax_row_major and self.tile_n % (4 * GROUP):
-            # a TMA box's rows (and the (M, N/16) output's) must be multiples of 16 bytes
-            raise ValueError(f"{self}: amax_row_major needs tile_n % {4 * GROUP} == 0")
-        if self.overlap_promotion and self.max_concurrent_steps < 2:
-            raise ValueError(f"{self}: overlap_promotion needs max_concurrent_steps >= 2")
 
 
 def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
@@ -169,7 +158,6 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
             GemmConfig(128, 128, 128, 4, "m"),
             GemmConfig(64, 128, 128, 6, "n"),
         ]
-        raw += [dataclasses.replace(c, overlap_promotion=True) for c in raw]
     else:
         steps_256 = 3 if variant == "quantize_1x16" else 4
         raw = [
@@ -180,8 +168,6 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
             GemmConfig(128, 128, 256, 2, "n"),
             GemmConfig(128, 128, 128, 4, "n", "m"),
         ]
-        if variant == "quantize_1x16":
-            raw += [dataclasses.replace(c, amax_row_major=True) for c in raw]
     out = []
     for c in raw:
         try:
@@ -203,8 +189,8 @@ def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
     """Shared memory of the kernel's buffers: the pipeline's ``max_concurrent_steps`` slots of
     both FP8 operand tiles (and the K step's activation scales when block-scaled), plus the
     epilogue's staging (two warpgroups x two slots of the BF16/fp32 tile, or the FP8 codes,
-    group amax (transposed or row-major: the same bytes) and cross-warp max scratch of the 1x16
-    epilogue; ``overlap_promotion``'s second accumulator lives in registers, not here). Matches
+    group amax (stored transposed, ``(tile_n/16, tile_m)``) and cross-warp max scratch of the
+    1x16 epilogue). Matches
     what Mosaic GPU reported on an H200 (fp32 per-tensor 4 steps: 262,208; 1x16: 239,680) to
     256 bytes."""
     c = config
@@ -361,9 +347,6 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     split_m = cfg.wg_split == "m"
     block = variant == "block_scaled"
     quant = variant == "quantize_1x16"
-    # one K step has nothing to overlap (and the pipeline needs steps > delay_release)
-    overlap = block and cfg.overlap_promotion and k_iters > 1
-    amax_rows = quant and cfg.amax_row_major
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     n_epi = (tile_m // epi_m) * (tile_n // epi_n)
     slots = min(2, n_epi)
@@ -375,20 +358,16 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
             a_gmem, b_gmem, s_gmem, *outs = refs
 
         def pipeline(body, compute_context):
-            # overlap: a slot is released one step late, once the next step's wgmma_wait(1)
-            # has retired the wgmma reading it (as jax's hopper_matmul_mgpu does)
-            rel = {"delay_release": 1} if overlap else {}
             in_specs = [
                 plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk),
-                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM, **rel),
+                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk),
-                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM, **rel),
+                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM),
             ]  # fmt: skip
             if block:  # the K step's activation scales for the CTA's rows: one TMA box
                 in_specs.append(
-                    plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM,
-                                    **rel)
-                )  # fmt: skip
+                    plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
+                )
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
@@ -405,9 +384,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
         scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(*gmem_ins)}
         if quant:
             scratch["codes_smem"] = plgpu.SMEM((2, tile_m, tile_n), jnp.float8_e4m3fn)
-            amax_tile = (tile_m, tile_n // GROUP) if amax_rows else (tile_n // GROUP, tile_m)
-            # row-major: swizzled (8, tile_n/16) tiles, the layout a WGMMA-layout store needs
-            scratch["amax_smem"] = plgpu.SMEM((2, *amax_tile), jnp.float32)
+            scratch["amax_smem"] = plgpu.SMEM((2, tile_n // GROUP, tile_m), jnp.float32)
         else:
             scratch["out_smem"] = plgpu.SMEM(
                 (2, slots, epi_m, epi_n), out_dtype, transforms=_out_transforms(epi_n, out_dtype)
@@ -448,34 +425,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 def promote(total, part, scale):
                     return total + part * lax.broadcast_in_dim(scale, (tile_m, tile_n), (0,))
 
-                if overlap:
-                    # carry: (running fp32 sum, step i-1's partial sum, still possibly in
-                    # flight, and its row multipliers). Each step issues its wgmma into a fresh
-                    # accumulator (pl.run_state returns without waiting, as in jax's
-                    # attention_mgpu), waits until only that one is in flight, then promotes
-                    # step i-1's partial sum while the tensor core works on step i.
-                    def body(idx, a_smem, b_smem, sa_smem, carry):
-                        (kk,) = idx
-                        total, prev, prev_scale = carry
-
-                        def issue(acc_ref):
-                            mma(a_smem, b_smem, acc_ref)
-
-                        part = pl.run_state(issue)(plgpu.ACC.init(zeros()))
-                        scale = step_scale(sa_smem, kk)  # this slot is live until the next step
-                        plgpu.wgmma_wait(1)  # step i-1's wgmma retired: `prev` is final
-                        return promote(total, prev, prev_scale), part, scale
-
-                    def compute(eval_pipeline):
-                        z = zeros()
-                        no_scale = plgpu.layout_cast(
-                            jnp.zeros((tile_m,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-                        )  # step "-1": a zero partial sum with zero multipliers
-                        total, last, last_scale = eval_pipeline((z, z, no_scale))
-                        plgpu.wgmma_wait(0)
-                        _epilogue(promote(total, last, last_scale))
-
-                elif block:
+                if block:
 
                     def body(idx, a_smem, b_smem, sa_smem, carry):
                         (kk,) = idx
@@ -529,7 +479,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                             )  # fmt: skip
 
                 def _quantize_epilogue(c):
-                    codes_gmem, amax_gmem = outs
+                    codes_gmem, amax_t_gmem = outs
                     groups = tile_n // GROUP
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for j in range(groups):
@@ -539,21 +489,15 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                         scaled = cj * lax.broadcast_in_dim(factor, (tile_m, GROUP), (0,))
                         codes = jnp.clip(scaled, -E4M3.max, E4M3.max).astype(jnp.float8_e4m3fn)
                         codes_smem[wg, :, j * GROUP : (j + 1) * GROUP] = codes
-                        if amax_rows:  # a strided column of the (tile_m, groups) tile
-                            amax_smem[wg, :, j] = gmax
-                        else:
-                            amax_smem[wg, j] = gmax
+                        amax_smem[wg, j] = gmax
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
                         codes_smem.at[wg],
                         codes_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)],
                     )
-                    g0 = lax.div(col0, GROUP)
                     plgpu.copy_smem_to_gmem(
                         amax_smem.at[wg],
-                        amax_gmem.at[pl.ds(row0, tile_m), pl.ds(g0, groups)]
-                        if amax_rows
-                        else amax_gmem.at[pl.ds(g0, groups), pl.ds(row0, tile_m)],
+                        amax_t_gmem.at[pl.ds(lax.div(col0, GROUP), groups), pl.ds(row0, tile_m)],
                     )
 
                 args = (a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :])
@@ -566,7 +510,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     if quant:
         out_type = (
             jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((m, n // GROUP) if amax_rows else (n // GROUP, m), jnp.float32),
+            jax.ShapeDtypeStruct((n // GROUP, m), jnp.float32),
         )
     else:
         out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
@@ -595,9 +539,8 @@ def _run(a, b, s1, s2, *, variant, out_dtype, config, shape):
         return call(a_p, b_p, sa_t, sb)[:m, :n]
     out = call(a_p, b_p, s1.reshape(1).astype(jnp.float32))
     if variant == "quantize_1x16":
-        codes, amax = out
-        amax = amax if config.amax_row_major else amax.T  # (Mp, Np/16)
-        return codes[:m, :n], amax[:m, : n // GROUP]
+        codes, amax_t = out
+        return codes[:m, :n], amax_t.T[:m, : n // GROUP]
     return out[:m, :n]
 
 
