@@ -32,29 +32,40 @@ batch, fsdp and --set, else refused):
   CUDA_VISIBLE_DEVICES=1 ... bench/e2e.py --policies coat+fp8_adamw --json b.json; wait
   PYTHONPATH=. python3 bench/e2e.py --merge a.json b.json --json e2e.json
 
-Method. Each policy runs in its own child process (``--one POLICY``), so that the device's
-``peak_bytes_in_use``, which cannot be reset, is that policy's own; children get
-``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem_fraction`` (0.95: the allocator may use 95% of the GPU,
-not JAX's default 75%). The model comes from ``coat_jax.models.llama.init_params`` and the step
-from ``coat_jax.train_loop.make_train_step`` (fp32 master weights and gradients, grad_accum 1,
-params and state donated); data are uniform random tokens (synthetic: the step's cost does not
-depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step:
+Method. Each policy runs in two child processes (``--one POLICY --phase fixed``, then
+``--phase search``), so that the device's ``peak_bytes_in_use``, which cannot be reset, is that
+policy's own, and so that the search's first device step is its largest: XLA's BFC allocator
+keeps the regions it has carved (batch 1's temp buffer, ~23 GB for the 7B) cached as free, and
+a larger step's temp buffer (one contiguous chunk) then cannot get a new region under the limit
+(cached free + live params/state + new temp > limit): on an H200, batch 5, 4 and 3 of the 7B
+all ran out of memory after batch 1 had run in the same process, though their plans fit.
+Children get ``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem_fraction`` (0.95: the allocator may use 95%
+of the GPU, not JAX's default 75%). The model comes from ``coat_jax.models.llama.init_params``
+and the step from ``coat_jax.train_loop.make_train_step`` (fp32 master weights and gradients,
+grad_accum 1, params and state donated); data are uniform random tokens (synthetic: the step's
+cost does not depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step:
 
-1. the fixed ``--batch``: compiled (with ``coat_jax.planner.memory_plan``: params, gradients,
-   optimizer state, saved activations, XLA's compiled total), run: ``--warmup`` steps, then the
-   median of ``--steps`` timed steps (``jax.block_until_ready``) gives tokens/s and MFU, and the
-   device's peak memory after it is the policy's peak at that batch. ``slack`` = measured peak -
-   compiled total (XLA's autotuning scratch, allocator rounding; 6% of the plan if not measured);
-2. a probe batch: the planner's analytic model (``params + state + max(activations + 2 logits,
-   gradients) + workspace``, scaled from step 1) predicts the largest batch; the step is compiled
-   there (memory analysis only);
+1. (fixed child) the fixed ``--batch``: compiled (with ``coat_jax.planner.memory_plan``: params,
+   gradients, optimizer state, saved activations, XLA's compiled total), run: ``--warmup``
+   steps, then the median of ``--steps`` timed steps (``jax.block_until_ready``) gives tokens/s
+   and MFU, and the device's peak memory after it is the policy's peak at that batch. ``slack``
+   = measured peak - compiled total (XLA's autotuning scratch, allocator rounding; 6% of the
+   plan if not measured). The child writes its JSON and exits;
+2. (search child, given that JSON; only with a memory limit and time left) a probe batch: the
+   planner's analytic model (``params + state + max(activations + 2 logits, gradients) +
+   workspace``, scaled from step 1) predicts the largest batch; the step is compiled there
+   (memory analysis only: compiles allocate nothing on the device);
 3. a line through the two compiled totals predicts the largest batch ``b`` with
-   ``total(b) + slack <= device limit``; ``b`` is compiled and run (timed as in 1);
-4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - N`` is.
+   ``total(b) + slack <= device limit``; ``b`` is compiled, then params and optimizer state are
+   created (once) and ``b`` is run (timed as in 1): the child's first device step;
+4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - N`` is
+   (after an OOM nothing new is cached, so going down works where going up does not). If the
+   fixed batch did not fit, the search starts below it. ``runs`` lists the batches run, in order.
 
 Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
-skips them. ``--time_budget_s`` bounds the whole run: each child gets an equal share of what is
-left and skips its remaining search phases once past it; the JSON keeps what was measured.
+skips them. ``--time_budget_s`` bounds the whole run: each policy gets an equal share of what is
+left (its search child what its fixed child left of it), a child is killed 300 s past its share,
+and the search skips its remaining phases once past it; the JSON keeps what was measured.
 Per-phase wall times are printed and stored. On a CPU there is no memory limit or peak:
 those fields are None unless ``--device_limit_gb`` sets a limit to search against.
 """
@@ -137,6 +148,9 @@ def parse_args(argv=None):
                         help="one table from these runs' JSONs")  # fmt: skip
     parser.add_argument("--one", metavar="POLICY", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--out", help=argparse.SUPPRESS)  # child: where its JSON goes
+    parser.add_argument("--phase", choices=("fixed", "search"), default="fixed",
+                        help=argparse.SUPPRESS)  # child: which of the two  # fmt: skip
+    parser.add_argument("--fixed_json", help=argparse.SUPPRESS)  # search child: phase 1's JSON
     return parser.parse_args(argv)
 
 
@@ -180,9 +194,13 @@ def is_oom(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def measure(args, policy: str) -> dict:
-    """Child: one policy, in this process; the result is rewritten to ``args.out`` after each
-    phase, so a parent that has to kill it still gets what was measured."""
+def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = None) -> dict:
+    """Child: one phase of one policy, in this process; the result is rewritten to ``args.out``
+    after each step, so a parent that has to kill it still gets what was measured.
+
+    ``phase_name`` "fixed": compile and run the fixed batch (the result's ``fixed``, ``plans``,
+    ``slack_bytes``). "search": continue ``fixed`` (phase 1's result) with the largest-batch
+    search, whose first device step is its largest candidate (see the module's Method)."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -217,13 +235,18 @@ def measure(args, policy: str) -> dict:
     seq, b0 = args.seq_len, args.batch
     flops_per_token = train_loop.flops_per_token(model_config, seq)
     peak_flops = train_loop.peak_flops()
-    result = {
-        "policy": policy, "fused_optimizer": fused is not None, "device": device.device_kind,
-        "devices": n, "mesh": dict(mesh.shape), "jax": jax.__version__,
-        "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
-        "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
-        "phases_s": {},
-    }  # fmt: skip
+    if fixed is not None:  # the search phase continues phase 1's result
+        result = dict(fixed, runs=list(fixed.get("runs", [])))
+        result.pop("returncode", None)
+    else:
+        result = {
+            "policy": policy, "fused_optimizer": fused is not None, "device": device.device_kind,
+            "devices": n, "mesh": dict(mesh.shape), "jax": jax.__version__,
+            "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
+            "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
+            "phases_s": {}, "runs": [],
+        }  # fmt: skip
+    label = "" if fixed is None else " (search)"
 
     def save():
         if args.out:
@@ -252,7 +275,8 @@ def measure(args, policy: str) -> dict:
         peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
         return None if None in peaks else max(peaks)
 
-    compiled, plans = {}, {}
+    compiled = {}
+    plans = {int(b): plan for b, plan in result["plans"].items()}  # phase 1's, in the search
 
     def compile_at(b):
         batch = jax.ShapeDtypeStruct((1, b, seq + 1), jnp.int32)
@@ -265,8 +289,10 @@ def measure(args, policy: str) -> dict:
         result["plans"][str(b)] = {k: plans[b][k] for k in PLAN_KEYS}
         return compiled[b]
 
-    def run_at(b, params, opt_state):
-        """Timed steps at batch ``b``: (row, params, opt_state); re-created after an OOM."""
+    def run_at(b, params, opt_state, reinit=True):
+        """Timed steps at batch ``b``: (row, params, opt_state); re-created after an OOM if
+        they were donated and ``reinit``."""
+        result["runs"].append(b)
         tokens = jax.random.randint(jax.random.key(b), (1, b, seq + 1), 0, model_config.vocab_size)
         if placement:
             tokens = jax.device_put(tokens, placement.batch)
@@ -283,8 +309,8 @@ def measure(args, policy: str) -> dict:
             if not is_oom(e):
                 raise
             print(f"[{policy}] batch {b}: out of memory", flush=True)
-            if any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
-                with phase("re-init after OOM"):
+            if reinit and any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
+                with phase(f"re-init after OOM at batch {b}"):
                     params, opt_state = fresh_state()
             return {"batch": b, "oom": True}, params, opt_state
         seconds = float(np.median(times))
@@ -295,25 +321,31 @@ def measure(args, policy: str) -> dict:
         row["mfu"] = mfu  # per device
         return row, params, opt_state
 
-    with phase("init params + optimizer state"):
-        params, opt_state = fresh_state()
-    compile_at(b0)
-    plan0 = plans[b0]
-    if limit and plan0["compiled_total"] > limit:
-        result["fixed"] = {"batch": b0, "oom": True, "reason": "compiled plan over the limit"}
-    else:
-        result["fixed"], params, opt_state = run_at(b0, params, opt_state)
-    save()
-    fixed_peak = (result["fixed"] or {}).get("peak_bytes")
-    slack = fixed_peak - plan0["compiled_total"] if fixed_peak else None
-    if slack is None or slack < 0:
-        slack = args.slack_fraction * plan0["compiled_total"]
-    result["slack_bytes"] = slack
-
-    if not limit:
-        result["search"] = "skipped: the device reports no memory limit (see --device_limit_gb)"
+    if fixed is None:  # phase 1: the fixed batch, then exit (the search runs in a new process)
+        compile_at(b0)
+        plan0 = plans[b0]
+        if limit and plan0["compiled_total"] > limit:
+            result["fixed"] = {"batch": b0, "oom": True, "reason": "compiled plan over the limit"}
+        else:
+            with phase("init params + optimizer state"):
+                params, opt_state = fresh_state()
+            result["fixed"], params, opt_state = run_at(b0, params, opt_state, reinit=False)
+            del params, opt_state
+        fixed_peak = result["fixed"].get("peak_bytes")
+        slack = fixed_peak - plan0["compiled_total"] if fixed_peak else None
+        if slack is None or slack < 0:
+            slack = args.slack_fraction * plan0["compiled_total"]
+        result["slack_bytes"] = slack
+        if not limit:
+            result["search"] = "skipped: the device reports no memory limit (see --device_limit_gb)"
+        elif result["fixed"]["oom"] and b0 == n:
+            result.update(max_batch=0, search=f"done: batch {b0} does not fit")
         save()
         return result
+
+    # Phase 2, the search: compiles only (no device memory beyond what XLA keeps for the
+    # executables) until the largest candidate; then runs from the largest down.
+    plan0, slack = plans[b0], result["slack_bytes"]
     fits = lambda b: plans[b]["compiled_total"] + slack <= limit
 
     # The plans are per device; batches are global, in steps of n (one sequence more per device).
@@ -327,14 +359,8 @@ def measure(args, policy: str) -> dict:
     while b_analytic < 4096 * n and analytic(b_analytic + n) + slack <= limit:
         b_analytic += n
     result["predicted_max_batch_analytic"] = b_analytic
-    if result["fixed"]["oom"]:
-        if b0 == n:
-            result.update(max_batch=0, search=f"done: batch {b0} does not fit")
-            save()
-            return result
-        probe = max(n, min(b_analytic, b0 - n))
-    else:
-        probe = max(b_analytic, b0 + n)
+    fixed_oom = result["fixed"]["oom"]
+    probe = max(n, min(b_analytic, b0 - n)) if fixed_oom else max(b_analytic, b0 + n)
     if time.perf_counter() > deadline:
         result["search"] = "stopped: time budget (before the probe compile)"
         save()
@@ -345,14 +371,17 @@ def measure(args, policy: str) -> dict:
     room = limit - slack - plans[probe]["compiled_total"]
     b = probe if slope <= 0 else probe + n * math.floor(room / (slope * n))
     b = min(max(b, n), 4 * max(probe, b0))
+    if fixed_oom:  # batch b0 did not fit: below it
+        b = min(b, b0 - n)
     result["predicted_max_batch"] = b
     result["compiled_bytes_per_sequence"] = slope
     result["search"] = "done"
+    params = opt_state = None  # created once, just before the first (largest) run
     while True:
         if b < n:
             result["max_batch"] = 0
             break
-        if b == b0 and not result["fixed"]["oom"]:
+        if b == b0 and not fixed_oom:
             result["max_batch"], result["max"] = b0, result["fixed"]
             break
         if time.perf_counter() > deadline:
@@ -367,6 +396,9 @@ def measure(args, policy: str) -> dict:
             print(f"[{policy}] batch {b}: plan + slack over the limit, backing off", flush=True)
             b -= n
             continue
+        if params is None:
+            with phase("init params + optimizer state" + label):
+                params, opt_state = fresh_state()
         row, params, opt_state = run_at(b, params, opt_state)
         if not row["oom"]:
             result["max_batch"], result["max"] = b, row
@@ -448,10 +480,19 @@ def paper_row(devices: int) -> str | None:
     return f"paper, {key} (H100 80 GB; tokens/s per GPU): {row}"
 
 
-def run_child(args, policy: str, budget: float | None) -> dict:
+def run_child(
+    args, policy: str, budget: float | None, phase: str = "fixed", fixed: dict | None = None
+) -> dict:
+    """One phase of ``policy`` in a child process (killed 300 s past ``budget``); the search
+    child gets phase 1's result ``fixed`` and returns it extended."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--out", out]
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--out", out,
+               "--phase", phase]  # fmt: skip
+        if fixed is not None:
+            with open(os.path.join(tmp, "fixed.json"), "w") as f:
+                json.dump(fixed, f)
+            cmd += ["--fixed_json", os.path.join(tmp, "fixed.json")]
         for name in FORWARD:
             if getattr(args, name) is not None:
                 cmd += [f"--{name}", str(getattr(args, name))]
@@ -465,12 +506,31 @@ def run_child(args, policy: str, budget: float | None) -> dict:
             returncode = subprocess.run(cmd, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             returncode = "timeout"
-        result = {"policy": policy}
+        result = dict(fixed) if fixed is not None else {"policy": policy}
         if os.path.exists(out):
             with open(out) as f:
                 result = json.load(f)
         result["returncode"] = returncode
         return result
+
+
+def run_policy(args, policy: str, budget: float | None) -> dict:
+    """Both phases of ``policy``, each in its own process (see the module's Method): the fixed
+    batch, then (if there is a limit to search against and time left) the search. One result:
+    the search child's, which extends the fixed one's; ``returncodes`` holds both."""
+    started = time.perf_counter()
+    result = run_child(args, policy, budget, "fixed")
+    returncodes = {"fixed": result["returncode"]}
+    if result["returncode"] == 0 and result.get("search") is None:
+        left = None if budget is None else budget - (time.perf_counter() - started)
+        if left is not None and left <= 0:
+            result["search"] = "stopped: time budget (before the search child)"
+        else:
+            result = run_child(args, policy, left, "search", result)
+            returncodes["search"] = result["returncode"]
+    result["returncodes"] = returncodes
+    result["returncode"] = next((rc for rc in returncodes.values() if rc != 0), 0)
+    return result
 
 
 def report(config: dict, results: list[dict], wall_s: float, path: str | None, **extra):
@@ -547,7 +607,11 @@ def main():
             with open(args.out, "w") as f:  # the parent reports it
                 json.dump({"policy": args.one, "error": str(e)}, f)
             sys.exit(2)
-        result = measure(args, args.one)
+        fixed = None
+        if args.phase == "search":
+            with open(args.fixed_json) as f:
+                fixed = json.load(f)
+        result = measure(args, args.one, args.phase, fixed)
         print(json.dumps({k: result[k] for k in ("policy", "max_batch", "search")}))
         return
     try:
@@ -575,10 +639,10 @@ def run(args) -> None:
                 continue
             budget = left / (len(policies) - i)
         print(f"== {policy} (budget {fmt(budget, '{:.0f} s', 'none')})", flush=True)
-        results.append(run_child(args, policy, budget))
+        results.append(run_policy(args, policy, budget))
         if "error" in results[-1]:
             raise ValueError(results[-1]["error"])
-    skip = ("json", "one", "out", "merge")
+    skip = ("json", "one", "out", "merge", "phase", "fixed_json")
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config["model_fields"] = bench_config(args, policies[0]).model.to_dict()
     report(config, results, time.perf_counter() - started, args.json)

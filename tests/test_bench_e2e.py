@@ -70,11 +70,34 @@ def test_e2e_measures_each_policy_and_finds_a_largest_batch(tmp_path):
         assert r["max_batch"] > 2 and r["max"]["batch"] == r["max_batch"]
         assert r["plans"][str(r["max_batch"])]["compiled_total"] <= 0.02e9
         assert finite(r["max"]["tokens_per_s"]) and set(r["phases_s"]) >= {"compile batch 2"}
+        # Two processes: the fixed batch, then the search, whose first run is its largest.
+        assert r["returncodes"] == {"fixed": 0, "search": 0}
+        assert r["runs"] == [2, r["max_batch"]]
     bf16, coat = (r["plans"]["2"] for r in report["results"])
     assert coat["optimizer_state"] < 0.3 * bf16["optimizer_state"]  # FP8 vs fp32 moments
     ratios = report["ratios_vs_bf16"]["coat+fp8_adamw"]
     assert ratios["peak_memory_ratio_same_batch"] is None  # no peak on a CPU
     assert finite(ratios["planned_memory_ratio_same_batch"]) and finite(ratios["max_batch_ratio"])
+
+
+def test_e2e_search_child_runs_its_largest_candidate_first(tmp_path):
+    # Batch 8 over a 4 MB "device": the fixed child finds its plan over the limit (nothing
+    # run); the search child compiles below it, then creates params and state once and runs
+    # the largest candidate before anything else.
+    run("e2e.py", *TINY[:-4], "--policies", "bf16+adamw", *TINY[-2:], "--batch", "8",
+        "--device_limit_gb", "0.004", "--max_compiles", "3",
+        "--cache_dir", str(tmp_path / "cache"), "--json", str(tmp_path / "e2e.json"))  # fmt: skip
+    (r,) = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert r["returncodes"] == {"fixed": 0, "search": 0} and r["returncode"] == 0
+    assert r["fixed"] == {"batch": 8, "oom": True, "reason": "compiled plan over the limit"}
+    assert 0 < r["max_batch"] < 8 and r["max"]["batch"] == r["max_batch"]
+    assert r["runs"] == [r["max_batch"]]  # the first (and here only) device step: the largest
+    assert r["plans"][str(r["max_batch"])]["compiled_total"] <= 0.004e9
+    phases = list(r["phases_s"])
+    assert "init params + optimizer state" not in phases  # the fixed child ran nothing
+    init = phases.index("init params + optimizer state (search)")
+    assert phases[init + 1 :] == [f"run batch {r['max_batch']}"]
+    assert all(p.startswith("compile batch") for p in phases[:init]) and init >= 2
 
 
 @pytest.mark.slow
