@@ -223,7 +223,10 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
     placement = parallel.make_placement(mesh, abstract, optimizer) if n > 1 else None
     on_mesh = (lambda: jax.set_mesh(mesh)) if placement else contextlib.nullcontext
     fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
-    train_step = train_loop.make_train_step(graph, optimizer, placement, fused_update=fused)
+    train_step = train_loop.make_train_step(
+        graph, optimizer, placement, fused_update=fused,
+        compiler_options=train_loop.compiler_options(config.precision),
+    )  # fmt: skip
     devices = list(mesh.devices.flat)
     device = devices[0]
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
