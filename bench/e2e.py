@@ -39,6 +39,11 @@ keeps the regions it has carved (batch 1's temp buffer, ~23 GB for the 7B) cache
 a larger step's temp buffer (one contiguous chunk) then cannot get a new region under the limit
 (cached free + live params/state + new temp > limit): on an H200, batch 5, 4 and 3 of the 7B
 all ran out of memory after batch 1 had run in the same process, though their plans fit.
+Largest-first in a fresh process was not enough either (H200, same day: batch 5 of the 7B,
+plan 139.4 GB of 142.6, still failed to get its 58.5 GB temp buffer with allocator growth on:
+regions carved while the parameters were created do not coalesce with one another), so the
+search child runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=true``: one region, whose freed chunks
+coalesce (its peak, ``peak_bytes_in_use``, counts buffers in use, not the region).
 Children get ``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem_fraction`` (0.95: the allocator may use 95%
 of the GPU, not JAX's default 75%). The model comes from ``coat_jax.models.llama.init_params``
 and the step from ``coat_jax.train_loop.make_train_step`` (fp32 master weights and gradients,
@@ -504,6 +509,8 @@ def run_child(
         if budget is not None:
             cmd += ["--time_budget_s", f"{budget:.0f}"]
         env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction))
+        if phase == "search":  # one allocator region: freed chunks coalesce (module's Method)
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
         timeout = None if budget is None else budget + 300  # a compile may run past the budget
         try:
             returncode = subprocess.run(cmd, env=env, timeout=timeout).returncode
@@ -631,6 +638,9 @@ def run(args) -> None:
     policies = args.policies.split(",")
     for policy in policies:
         bench_config(args, policy)  # fail fast on a bad policy, model or override
+    skip = ("json", "one", "out", "merge", "phase", "fixed_json")
+    config = {k: v for k, v in vars(args).items() if k not in skip}
+    config["model_fields"] = bench_config(args, policies[0]).model.to_dict()
     started = time.perf_counter()
     results = []
     for i, policy in enumerate(policies):
@@ -645,10 +655,9 @@ def run(args) -> None:
         results.append(run_policy(args, policy, budget))
         if "error" in results[-1]:
             raise ValueError(results[-1]["error"])
-    skip = ("json", "one", "out", "merge", "phase", "fixed_json")
-    config = {k: v for k, v in vars(args).items() if k not in skip}
-    config["model_fields"] = bench_config(args, policies[0]).model.to_dict()
-    report(config, results, time.perf_counter() - started, args.json)
+        if i + 1 < len(policies):  # a run stopped from outside keeps the policies it finished
+            report(config, results, time.perf_counter() - started, args.json, complete=False)
+    report(config, results, time.perf_counter() - started, args.json, complete=True)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,20 @@ def test_fidelity_runs_three_resumable_runs_and_reports_gaps(tmp_path):
     assert report["runs"]["coat+fp8_adamw, no expansion"]["failed"]["error"] == error
     assert set(report["gaps_vs_bf16"]) == {"coat+fp8_adamw"}
     assert f"failed: {error}" in (tmp_path / "fidelity.md").read_text()
+
+
+def test_only_the_search_child_preallocates(monkeypatch):
+    """The search child gets one allocator region (XLA_PYTHON_CLIENT_PREALLOCATE=true, see the
+    module's Method); the fixed-batch child keeps the caller's setting."""
+    seen = {}
+
+    def fake_run(cmd, env, timeout):
+        seen[cmd[cmd.index("--phase") + 1]] = env.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    args = e2e.parse_args(["--model", "llama_134m"])
+    e2e.run_child(args, "bf16+adamw", None, "fixed")
+    e2e.run_child(args, "bf16+adamw", None, "search", {"policy": "bf16+adamw"})
+    assert seen == {"fixed": "false", "search": "true"}
