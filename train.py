@@ -82,6 +82,7 @@ def make_step(config, graph, optimizer, schedule, placement):
     return train_loop.make_train_step(
         graph, optimizer, placement, fused_update=fused,
         compiler_options=train_loop.compiler_options(config.precision),
+        grad_dtype=config.grad_dtype,
     )  # fmt: skip
 
 
@@ -90,7 +91,9 @@ def dry_run(config, model_config, graph, params, optimizer, schedule, placement)
     micro = config.batch_size // config.grad_accum
     batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
     step = make_step(config, graph, optimizer, schedule, placement)
-    plan = planner.memory_plan(step, graph, params, opt_state, batch, model_config, placement)
+    plan = planner.memory_plan(
+        step, graph, params, opt_state, batch, model_config, placement, config.grad_dtype
+    )
     run = f"{config.precision}, {config.optimizer.name}, batch {config.batch_size} x seq "
     mesh = ", ".join(f"{k} {v}" for k, v in placement.mesh.shape.items())
     log(f"Memory plan per device ({run}{config.seq_len}, grad_accum {config.grad_accum}, "

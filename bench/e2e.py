@@ -231,6 +231,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
     train_step = train_loop.make_train_step(
         graph, optimizer, placement, fused_update=fused,
         compiler_options=train_loop.compiler_options(config.precision),
+        grad_dtype=config.grad_dtype,
     )  # fmt: skip
     devices = list(mesh.devices.flat)
     device = devices[0]
@@ -290,8 +291,9 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         batch = jax.ShapeDtypeStruct((1, b, seq + 1), jnp.int32)
         with phase(f"compile batch {b}"), on_mesh():
             plans[b] = planner.memory_plan(
-                train_step, graph, abstract, abstract_state, batch, model_config, placement
-            )
+                train_step, graph, abstract, abstract_state, batch, model_config, placement,
+                config.grad_dtype,
+            )  # fmt: skip
             compiled[b] = train_step.lower(abstract, abstract_state, batch).compile()  # cached
         result["compiles"] += 1
         result["plans"][str(b)] = {k: plans[b][k] for k in PLAN_KEYS}

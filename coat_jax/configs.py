@@ -38,6 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model_fields("tiny")
     c.precision = "coat"  # bf16 | fp8_linear | coat
+    # float32 | bfloat16: the gradients' dtype (train_loop.make_train_step; bf16 halves the
+    # gradient buffer where the fused FP8 AdamW update runs and grad_accum is 1)
+    c.grad_dtype = "float32"
     c.optimizer = ml_collections.ConfigDict(
         dict(
             name="fp8_adamw",  # fp8_adamw | adamw
@@ -171,6 +174,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config.mesh.{key} must be a positive int or -1, got {size!r}")
     if sizes.count(-1) > 1:
         raise ValueError(f"config.mesh: at most one size may be -1, got {c.mesh.to_dict()}")
+    if c.grad_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"config.grad_dtype={c.grad_dtype!r}: expected 'float32' or 'bfloat16'")
     if c.precision not in POLICIES:
         raise ValueError(f"config.precision={c.precision!r}: expected one of {sorted(POLICIES)}")
     o = c.optimizer

@@ -48,10 +48,11 @@ def layer_workspace(config: LlamaConfig, batch: int, seq_len: int) -> int:
 
 
 def memory_plan(
-    train_step, graph, params, opt_state, batch, model_config: LlamaConfig, placement=None
-) -> dict:
+    train_step, graph, params, opt_state, batch, model_config: LlamaConfig, placement=None,
+    grad_dtype=jnp.float32,
+) -> dict:  # fmt: skip
     """Planned bytes of one step (per device under ``placement``); ``params``, ``opt_state``,
-    ``batch`` may be abstract."""
+    ``batch`` may be abstract; ``grad_dtype`` as the step's (``make_train_step``)."""
     compiled = train_step.lower(params, opt_state, batch).compile()
     analysis = compiled.memory_analysis()
     accum, micro, tokens = batch.shape
@@ -68,7 +69,7 @@ def memory_plan(
         param_shardings, state_shardings = placement.params, placement.opt_state
         activations, logits = activations // split, logits // split
     param_bytes = _bytes(params, param_shardings)
-    grad_bytes = _bytes(params, param_shardings, itemsize=4)
+    grad_bytes = _bytes(params, param_shardings, itemsize=jnp.dtype(grad_dtype).itemsize)
     plan = {
         "params": param_bytes,
         "grads": grad_bytes,
@@ -106,7 +107,7 @@ def format_plan(plan: dict) -> str:
     gb = lambda b: f"{b / 2**30:9.3f} GiB" if b >= 2**30 else f"{b / 2**20:9.1f} MiB"
     rows = [
         ("params", plan["params"]),
-        ("gradients (fp32)", plan["grads"]),
+        ("gradients", plan["grads"]),
         ("optimizer state", plan["optimizer_state"]),
         ("saved activations (1 micro-batch)", plan["activations_estimate"]),
         ("logits (1 micro-batch, fp32)", plan["logits_estimate"]),
