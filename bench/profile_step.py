@@ -256,6 +256,8 @@ def main(argv=None):
                 params, opt_state, metrics = compiled(params, opt_state, batch)
                 jax.block_until_ready(metrics)
                 times.append((time.perf_counter() - t0) * 1e3)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in placement.mesh.devices.flat]
+    result["peak_bytes_per_device"] = peaks  # None on a CPU
     result["step_ms_median"] = statistics.median(times)
     result["tokens_per_s"] = config.batch_size * config.seq_len / (result["step_ms_median"] / 1e3)
     flops = (
@@ -277,6 +279,8 @@ def main(argv=None):
         f"step {result['step_ms_median']:.1f} ms (wall, median of {args.steps}), device "
         f"{result['device_ms_per_step']:.1f} ms per device; compile {result['compile_s']:.0f} s"
     )
+    if all(peaks):
+        print(f"peak memory per device: {', '.join(f'{p / 1e9:.1f} GB' for p in peaks)}")
     if not ops:
         print("no device ops in the trace (a CPU run, or an unexpected layout):", layout)
     else:

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import math
+import os
 import pathlib
 
 import pytest
@@ -95,7 +97,8 @@ def test_device_ops_and_summary(tmp_path):
     assert [o["name"] for o in summary["top_ops"]] == ["gemm.2", "quant_fusion.1"]
 
 
-def test_cpu_smoke(tmp_path):
+def test_cpu_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds a flag
     out = tmp_path / "p.json"
     result = ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set",
                       "precision=coat", "--steps", "1", "--warmup", "1", "--trace_dir",
@@ -103,5 +106,7 @@ def test_cpu_smoke(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["step_ms_median"] > 0 and saved["compile_s"] > 0
     assert saved["hlo_instructions"] > 100 and result["mesh"] == saved["mesh"]
+    assert "--xla_gpu_enable_command_buffer=" in saved["xla_flags"]  # kernels keep their names
+    assert len(saved["peak_bytes_per_device"]) == math.prod(saved["mesh"].values())
     with pytest.raises(ValueError, match="precision"):
         ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set", "precision=fp4"])
