@@ -12,6 +12,8 @@ Reproducing the results (one H200; about 5-9 GPU minutes, printed before it star
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/fidelity.py --time_budget_s 540 \\
       --json bench/results/fidelity_llama_114m_h200_$(date +%F).json
   # the same command again continues where a budget or a GPU call ended (runs resume)
+  # --runs "bf16+adamw;coat+fp8_adamw;coat+fp8_adamw, bf16 gradients": other runs of RUNS
+  # (the bf16-gradient one: train.py's grad_dtype=bfloat16)
 
 GPU time, the arithmetic: 6 x 113.7M params + attention 12 x 16 layers x 512 x 768 = 0.756
 GFLOP/token; a run is 2000 x 16 x 512 = 16.4M tokens = 1.24e16 FLOP, 63 s at MFU 0.2 of 989
@@ -57,7 +59,11 @@ RUNS = {  # name -> train.py overrides
     "coat+fp8_adamw, no expansion": {
         "precision": "coat", "optimizer.name": "fp8_adamw", "optimizer.expansion": False,
     },
+    "coat+fp8_adamw, bf16 gradients": {
+        "precision": "coat", "optimizer.name": "fp8_adamw", "grad_dtype": "bfloat16",
+    },
 }  # fmt: skip
+DEFAULT_RUNS = ("bf16+adamw", "coat+fp8_adamw", "coat+fp8_adamw, no expansion")
 BASELINE = "bf16+adamw"
 TARGET_GAP = 0.003
 
@@ -68,6 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="train.py config override for every run (repeatable)")  # fmt: skip
     parser.add_argument("--steps", type=int, help="steps per run (default: the config's)")
+    parser.add_argument("--runs", default=";".join(DEFAULT_RUNS),
+                        help=f"';'-separated names from {list(RUNS)}")  # fmt: skip
     parser.add_argument("--chunk_steps", type=int, default=1000, help="steps per invocation")
     parser.add_argument("--workdir", default=os.path.join("runs", "fidelity"))
     parser.add_argument("--time_budget_s", type=float, help="start no chunk that would pass it")
@@ -190,6 +198,12 @@ def markdown(summaries: dict, run_gaps: dict) -> str:
 
 def main():
     args = parse_args()
+    names = [n.strip() for n in args.runs.split(";") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or BASELINE not in names:
+        raise SystemExit(f"fidelity.py: --runs {args.runs!r}: names from {list(RUNS)}, "
+                         f"{BASELINE!r} among them")  # fmt: skip
+    runs = {n: RUNS[n] for n in names}
     from coat_jax import configs
 
     overrides = configs.parse_overrides(args.set)
@@ -197,7 +211,7 @@ def main():
     total = args.steps or config.steps
     from coat_jax import configs, train_loop
 
-    for run in RUNS.values():  # fail here, not in the third subprocess
+    for run in runs.values():  # fail here, not in the third subprocess
         configs.validate(configs.load_file(args.config, {**overrides, **run, "steps": total}))
     model = configs.llama_config(config)
     tokens_per_step = config.batch_size * config.seq_len
@@ -205,8 +219,8 @@ def main():
     chunk = min(args.chunk_steps, total)
     ends = list(range(chunk, total, chunk)) + [total]
     workdirs = {name: os.path.join(args.workdir, name.replace("+", "_").replace(", ", "_")
-                                   .replace(" ", "_")) for name in RUNS}  # fmt: skip
-    rate = dict.fromkeys(RUNS, args.tokens_per_s)  # measured once a chunk has run
+                                   .replace(" ", "_")) for name in runs}  # fmt: skip
+    rate = dict.fromkeys(runs, args.tokens_per_s)  # measured once a chunk has run
     overhead = args.overhead_s
 
     def estimate() -> float:
@@ -221,7 +235,7 @@ def main():
 
     print(
         f"{model.num_params() / 1e6:.1f}M params, batch {config.batch_size} x {config.seq_len}, "
-        f"{total} steps x {len(RUNS)} runs ({total * tokens_per_step / 1e6:.1f}M tokens each, "
+        f"{total} steps x {len(runs)} runs ({total * tokens_per_step / 1e6:.1f}M tokens each, "
         f"{flops_per_token / 1e9:.3f} GFLOP/token), chunks ending at {ends}\n"
         f"estimated time left: {estimate() / 60:.1f} min (assuming {args.tokens_per_s:.0f} "
         f"tokens/s and {overhead:.0f} s per invocation)",
@@ -231,7 +245,7 @@ def main():
     env = dict(CHILD_ENV, JAX_COMPILATION_CACHE_DIR=os.path.abspath(args.cache_dir))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     for end in ends if not args.report_only else []:
-        for name, run in RUNS.items():
+        for name, run in runs.items():
             wd = workdirs[name]
             done = done_steps(read_metrics(wd))
             if done >= end or stopped or read_failure(wd):
@@ -293,7 +307,7 @@ def main():
                 "seed": config.seed,
                 "params": model.num_params(),
                 "data": f"{config.data.source}, {config.data.tokenizer} tokenizer",
-                "runs": RUNS,
+                "runs": runs,
             },  # fmt: skip
             "status": status,
             "report_only": args.report_only,  # then wall_s is the report's, not the runs

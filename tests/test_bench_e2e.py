@@ -220,3 +220,11 @@ def test_only_the_search_child_preallocates(monkeypatch):
     e2e.run_child(args, "bf16+adamw", None, "fixed")
     e2e.run_child(args, "bf16+adamw", None, "search", {"policy": "bf16+adamw"})
     assert seen == {"fixed": "false", "search": "true"}
+
+
+@pytest.mark.parametrize("runs", ["bf16+adamw;nope", "coat+fp8_adamw, bf16 gradients"])
+def test_fidelity_runs_are_checked_before_anything_trains(runs, tmp_path):
+    """--runs: names from fidelity.RUNS, the bf16 baseline among them; else a one-line error."""
+    out = run("fidelity.py", "--runs", runs, "--workdir", str(tmp_path), check=False)
+    assert out.returncode != 0 and "fidelity.py: --runs" in out.stderr
+    assert not any(tmp_path.iterdir())
