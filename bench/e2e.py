@@ -14,6 +14,8 @@ Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for t
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b \\
       --time_budget_s 300 --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
   # any shape: --model llama2_7b --set model.n_layers=8 (keys of configs.base_config)
+  # bf16 gradients (train.py's grad_dtype=bfloat16) as a policy of its own:
+  #   --policies bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads
 
 On N GPUs of one host (issue 10; ``bench/multi_gpu.sh`` runs this with N = the GPU count), FSDP
 over a ``(data 1, fsdp N, tensor 1)`` mesh, ``--batch`` the global batch (a multiple of N); 8 H200s:
@@ -160,11 +162,15 @@ def parse_args(argv=None):
 
 
 def bench_config(args, policy: str):
-    """The train config of ``policy`` (``"<precision>+<optimizer>"``) for ``args``."""
+    """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, optionally
+    ``"+bf16_grads"`` (``grad_dtype=bfloat16``, e.g. ``coat+fp8_adamw+bf16_grads``)."""
     from coat_jax import configs
     from coat_jax.models.llama import PRESETS
 
     precision, _, optimizer = policy.partition("+")
+    optimizer, _, grads = optimizer.partition("+")
+    if grads not in ("", "bf16_grads"):
+        raise ValueError(f"policy {policy!r}: the third part may only be 'bf16_grads'")
     if args.model in PRESETS:
         config = configs.pretraining_config(args.model)
     elif args.model in MODELS:
@@ -174,6 +180,8 @@ def bench_config(args, policy: str):
         raise ValueError(f"--model {args.model!r}: expected one of {list(PRESETS) + list(MODELS)}")
     config.precision, config.optimizer.name = precision, optimizer
     config.seq_len, config.batch_size, config.seed = args.seq_len, args.batch, args.seed
+    if grads:
+        config.grad_dtype = "bfloat16"
     configs.apply_overrides(config, configs.parse_overrides(args.set))
     configs.validate(config)
     return config

@@ -228,3 +228,16 @@ def test_fidelity_runs_are_checked_before_anything_trains(runs, tmp_path):
     out = run("fidelity.py", "--runs", runs, "--workdir", str(tmp_path), check=False)
     assert out.returncode != 0 and "fidelity.py: --runs" in out.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_policy_names_may_ask_for_bf16_gradients():
+    args = e2e.parse_args(["--model", "llama_134m"])
+    assert e2e.bench_config(args, "coat+fp8_adamw").grad_dtype == "float32"
+    config = e2e.bench_config(args, "coat+fp8_adamw+bf16_grads")
+    assert (config.precision, config.optimizer.name, config.grad_dtype) == (
+        "coat",
+        "fp8_adamw",
+        "bfloat16",
+    )
+    with pytest.raises(ValueError, match="third part"):
+        e2e.bench_config(args, "coat+fp8_adamw+fp16")
