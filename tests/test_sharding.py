@@ -182,3 +182,52 @@ def test_specs_follow_the_parameter():
     assert tuple(mu.data) == ("fsdp", "tensor", None) and tuple(mu.amax) == ("fsdp", "tensor")
     assert tuple(state_specs[0].count) == ()
     assert jax.tree.structure(state_specs) is not None
+
+
+FSDP_GATHER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=2 --xla_dump_to={dump} "
+        "--xla_dump_hlo_pass_re=spmd-partitioning"
+    )
+    sys.path.insert(0, {root!r})
+    import jax, jax.numpy as jnp
+    import train
+    from coat_jax import configs
+
+    config = configs.load_file(os.path.join({root!r}, "configs", "llama_tiny.py"), dict(
+        precision="coat", **{{"mesh.data": 1, "mesh.fsdp": 2}}, batch_size=2))
+    _, model, graph, params, _, optimizer, schedule, placement = train.build(config)
+    with jax.set_mesh(placement.mesh):
+        step = train.make_step(config, graph, optimizer, schedule, placement)
+        state = jax.eval_shape(optimizer.init, params)
+        batch = jax.ShapeDtypeStruct((1, 2, config.seq_len + 1), jnp.int32)
+        step.lower(params, state, batch).compile()
+    d, f, kv = model.dim, model.ffn_dim, model.kv_heads * model.head_dim
+    print("SHAPES", [(d, d), (d, kv), (d, f), (f, d)])
+    """
+)
+
+
+def test_fsdp_gathers_projection_weights_as_fp8_codes(tmp_path):
+    """Under FSDP the COAT step quantizes each weight shard and all-gathers FP8 codes (1 byte
+    per parameter, after the per-tensor amax is reduced): in the partitioned HLO every
+    projection weight's all-gather is f8e4m3fn, none is fp32 or bf16."""
+    import ast
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = FSDP_GATHER_SCRIPT.format(dump=tmp_path, root=str(root))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=root, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    shapes = ast.literal_eval(out.stdout.split("SHAPES", 1)[1].strip().splitlines()[0])
+    (hlo,) = [p for p in tmp_path.iterdir() if "jit_step" in p.name and "after_spmd" in p.name]
+    gathers = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} all-gather\(", hlo.read_text())
+    by_shape = {}
+    for dtype, dims in gathers:
+        by_shape.setdefault(tuple(int(x) for x in dims.split(",")), set()).add(dtype)
+    for shape in shapes:
+        assert by_shape.get(shape) == {"f8e4m3fn"}, (shape, by_shape)
