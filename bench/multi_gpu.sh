@@ -4,6 +4,7 @@
 # coat+fp8_adamw (peak memory per GPU, largest batch, tokens/s total and per GPU, MFU).
 #
 #   OUT=/some/dir bash bench/multi_gpu.sh       (N = nvidia-smi's GPU count; OUT: bench/results)
+#   PROFILE=1 BUDGET=360 bash bench/multi_gpu.sh   (then a step profile of each policy)
 #
 # On 8 H200s that runs (BUDGET: the whole run's time budget in seconds, default 540):
 #
@@ -21,3 +22,16 @@ $PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" \
   --policies bf16+adamw,coat+fp8_adamw --time_budget_s "${BUDGET:-540}" \
   --json "$OUT/e2e_llama2_7b_${N}xh200_$DAY.json" \
   2>&1 | tee "$OUT/e2e_llama2_7b_${N}xh200_$DAY.txt"
+
+# PROFILE=1: also where each policy's sharded step spends its time (communication vs GEMMs vs
+# the rest; bench/profile_step.py, about 90 s per policy on 2 H200s).
+if [ "${PROFILE:-0}" = 1 ]; then
+  for P in "precision=bf16 optimizer.name=adamw" "precision=coat optimizer.name=fp8_adamw"; do
+    set -- $P
+    NAME=$(echo "$1" | cut -d= -f2)
+    echo "== profile: $P, FSDP $N"
+    timeout 240 $PY bench/profile_step.py --config configs/llama2_7b.py --set "$1" --set "$2" \
+      --set mesh.data=1 --set mesh.fsdp="$N" --set batch_size="$N" --trace_dir "/tmp/profile_$NAME" \
+      --json "$OUT/profile_llama2_7b_${NAME}_fsdp${N}_${N}xh200_$DAY.json" 2>&1 | tail -25
+  done
+fi
