@@ -177,8 +177,6 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
 
     batch_shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
     tokens_per_step = config.batch_size * config.seq_len
-    flops = train_loop.flops_per_token(model_config, config.seq_len) * tokens_per_step
-    peak = train_loop.peak_flops(config.peak_tflops)
     bar = None
     if config.progress and is_main():
         from tqdm import tqdm
@@ -201,8 +199,10 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
                       "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
                       "step_ms": seconds * 1e3}  # fmt: skip
             record["tokens_per_s_per_device"] = record["tokens_per_s"] / jax.device_count()
-            if peak:
-                record["mfu"] = flops / seconds / (peak * jax.device_count())
+            mfu = train_loop.mfu(model_config, config.seq_len, record["tokens_per_s"],
+                                 jax.device_count(), config.peak_tflops)  # fmt: skip
+            if mfu is not None:
+                record["mfu"] = mfu
             stats = [d.memory_stats() or {} for d in jax.local_devices()]
             if all("peak_bytes_in_use" in st for st in stats):  # the fullest device's
                 record["peak_mem_gb"] = max(st["peak_bytes_in_use"] for st in stats) / 1e9

@@ -221,8 +221,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
     from coat_jax import configs, parallel, planner, sharding, train_loop
     from coat_jax.models.llama import Llama, init_params
 
-    n = args.fsdp
-    check_devices(n)
+    n = args.fsdp  # main() checked it against the devices (check_devices)
     started = time.perf_counter()
     deadline = started + args.time_budget_s if args.time_budget_s else math.inf
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
@@ -250,8 +249,6 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         else (None if None in limits else min(limits))
     )
     seq, b0 = args.seq_len, args.batch
-    flops_per_token = train_loop.flops_per_token(model_config, seq)
-    peak_flops = train_loop.peak_flops()
     if fixed is not None:  # the search phase continues phase 1's result
         result = dict(fixed, runs=list(fixed.get("runs", [])))
         result.pop("returncode", None)
@@ -335,8 +332,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         row = {"batch": b, "oom": False, "step_s": seconds, "step_s_min": float(min(times)),
                "tokens_per_s": b * seq / seconds, "tokens_per_s_per_device": b * seq / seconds / n,
                "loss": float(metrics["loss"]), "peak_bytes": peak_bytes()}  # fmt: skip
-        mfu = flops_per_token * b * seq / seconds / (peak_flops * n) if peak_flops else None
-        row["mfu"] = mfu  # per device
+        row["mfu"] = train_loop.mfu(model_config, seq, row["tokens_per_s"], n)  # per device
         return row, params, opt_state
 
     if fixed is None:  # phase 1: the fixed batch, then exit (the search runs in a new process)
@@ -569,8 +565,9 @@ def report(config: dict, results: list[dict], wall_s: float, path: str | None, *
         f"{wall_s:.0f} s"
     )
     print(table(results, ratios, config["batch"], devices))
-    if devices > 1 and paper_row(devices):
-        print(paper_row(devices))
+    paper = paper_row(devices) if devices > 1 else None
+    if paper:
+        print(paper)
     print(f"targets vs bf16: {TARGETS}")
     if path:
         out = {

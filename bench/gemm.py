@@ -142,7 +142,7 @@ def check(name, fn, ref) -> str | None:
         try:
             out = fn(x)
             want = ref(x)
-            if name.startswith("Pallas fused 1x16"):
+            if name == "Pallas fused 1x16":
                 codes, amax = out
                 from coat_jax.quant import QuantizedArray, dequantize
 

@@ -260,14 +260,10 @@ def main(argv=None):
     result["peak_bytes_per_device"] = peaks  # None on a CPU
     result["step_ms_median"] = statistics.median(times)
     result["tokens_per_s"] = config.batch_size * config.seq_len / (result["step_ms_median"] / 1e3)
-    flops = (
-        train_loop.flops_per_token(model_config, config.seq_len)
-        * config.batch_size
-        * config.seq_len
-    )
-    peak = train_loop.peak_flops(config.peak_tflops)
-    if peak:
-        result["mfu"] = flops / (result["step_ms_median"] / 1e3) / (peak * jax.device_count())
+    mfu = train_loop.mfu(model_config, config.seq_len, result["tokens_per_s"],
+                         jax.device_count(), config.peak_tflops)  # fmt: skip
+    if mfu is not None:
+        result["mfu"] = mfu
     ops, layout = device_ops(_load_trace(args.trace_dir))
     result["trace_layout"] = layout
     result["hlo_instructions"] = len(categories)

@@ -33,6 +33,7 @@ __all__ = [
     "make_fused_update",
     "make_optimizer",
     "make_train_step",
+    "mfu",
     "peak_flops",
     "plot_metrics",
     "save_loss_figure",
@@ -267,6 +268,16 @@ def peak_flops(override_tflops: float = 0.0) -> float | None:
         if name in kind:
             return tflops * 1e12
     return None
+
+
+def mfu(config: LlamaConfig, seq_len: int, tokens_per_s: float, devices: int,
+        override_tflops: float = 0.0) -> float | None:  # fmt: skip
+    """Model FLOP utilisation per device: ``flops_per_token x tokens/s`` over ``devices`` times
+    one device's peak (:func:`peak_flops`); ``None`` where the peak is unknown."""
+    peak = peak_flops(override_tflops)
+    if not peak:
+        return None
+    return flops_per_token(config, seq_len) * tokens_per_s / (peak * devices)
 
 
 class MetricsWriter:

@@ -185,6 +185,14 @@ def test_planner_activation_estimate_matches_compiled(precision):
     assert "total, compiled" in planner.format_plan(plan)
 
 
+def test_mfu_is_model_flops_over_the_devices_peak():
+    model_config = llama_config(load_config("llama_tiny"))
+    per_token = train_loop.flops_per_token(model_config, 64)
+    got = train_loop.mfu(model_config, 64, tokens_per_s=1000.0, devices=4, override_tflops=2.0)
+    assert got == pytest.approx(per_token * 1000.0 / (2e12 * 4))
+    assert train_loop.mfu(model_config, 64, 1000.0, 1) is None  # a CPU: no known peak
+
+
 def test_flops_per_token_matches_6n_rule():
     config = dataclasses.replace(llama_config(load_config("llama_tiny")), tie_embeddings=True)
     n = config.num_params()
