@@ -76,14 +76,10 @@ def build(config):
 
 def make_step(config, graph, optimizer, schedule, placement):
     """The jitted train step, with the fused optimizer kernel where it runs."""
-    fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
-    if fused is not None:
+    step, fused = train_loop.config_train_step(config, graph, optimizer, schedule, placement)
+    if fused:
         log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
-    return train_loop.make_train_step(
-        graph, optimizer, placement, fused_update=fused,
-        compiler_options=train_loop.compiler_options(config.precision),
-        grad_dtype=config.grad_dtype,
-    )  # fmt: skip
+    return step
 
 
 def dry_run(config, model_config, graph, params, optimizer, schedule, placement) -> None:

@@ -234,12 +234,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
     mesh = sharding.make_mesh(data=1, fsdp=n, tensor=1, devices=jax.devices()[:n])
     placement = parallel.make_placement(mesh, abstract, optimizer) if n > 1 else None
     on_mesh = (lambda: jax.set_mesh(mesh)) if placement else contextlib.nullcontext
-    fused = train_loop.make_fused_update(config.optimizer, schedule, placement)
-    train_step = train_loop.make_train_step(
-        graph, optimizer, placement, fused_update=fused,
-        compiler_options=train_loop.compiler_options(config.precision),
-        grad_dtype=config.grad_dtype,
-    )  # fmt: skip
+    train_step, fused = train_loop.config_train_step(config, graph, optimizer, schedule, placement)
     devices = list(mesh.devices.flat)
     device = devices[0]
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
@@ -254,7 +249,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         result.pop("returncode", None)
     else:
         result = {
-            "policy": policy, "fused_optimizer": fused is not None, "device": device.device_kind,
+            "policy": policy, "fused_optimizer": fused, "device": device.device_kind,
             "devices": n, "mesh": dict(mesh.shape), "jax": jax.__version__,
             "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
             "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,

@@ -25,6 +25,7 @@ from coat_jax.models.llama import LlamaConfig, loss_fn
 
 __all__ = [
     "compiler_options",
+    "config_train_step",
     "flops_per_token",
     "global_norm_fp32",
     "global_batch",
@@ -196,9 +197,9 @@ def make_train_step(
     above 1 the micro-batch gradients are summed in fp32, so the saving needs both the fused
     update and one micro-batch per step. The gradient norm is always taken in fp32.
     """
-    low = jnp.dtype(grad_dtype) != jnp.float32
     if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"grad_dtype must be float32 or bfloat16, got {jnp.dtype(grad_dtype)}")
+    low = jnp.dtype(grad_dtype) != jnp.float32
 
     def micro_loss(params, tokens):
         return _batch_loss(graph, params, tokens)
@@ -236,6 +237,18 @@ def make_train_step(
         donate_argnums=(0, 1),
         compiler_options=compiler_options,
     )
+
+
+def config_train_step(config, graph, optimizer, schedule, placement=None):
+    """``(step, fused)``: :func:`make_train_step` as ``config`` asks for it (``train.py``'s and
+    the benches' step): the fused FP8 AdamW update where it runs (``fused`` says whether),
+    the precision's :func:`compiler_options` and ``config.grad_dtype``."""
+    fused = make_fused_update(config.optimizer, schedule, placement)
+    step = make_train_step(
+        graph, optimizer, placement, fused_update=fused,
+        compiler_options=compiler_options(config.precision), grad_dtype=config.grad_dtype,
+    )  # fmt: skip
+    return step, fused is not None
 
 
 def make_eval_step(graph, placement=None):
