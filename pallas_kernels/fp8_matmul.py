@@ -190,9 +190,8 @@ def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
     both FP8 operand tiles (and the K step's activation scales when block-scaled), plus the
     epilogue's staging (two warpgroups x two slots of the BF16/fp32 tile, or the FP8 codes,
     group amax (stored transposed, ``(tile_n/16, tile_m)``) and cross-warp max scratch of the
-    1x16 epilogue). Matches
-    what Mosaic GPU reported on an H200 (fp32 per-tensor 4 steps: 262,208; 1x16: 239,680) to
-    256 bytes."""
+    1x16 epilogue). Matches what Mosaic GPU reported on an H200 (fp32 per-tensor 4 steps:
+    262,208; 1x16: 239,680) to 256 bytes."""
     c = config
     step = (c.cta_m + c.cta_n) * c.tile_k + (4 * c.cta_m if variant == "block_scaled" else 0)
     if variant == "quantize_1x16":

@@ -1,5 +1,8 @@
 """Sharding specs for params and the FP8 optimizer state, on 8 virtual CPU devices."""
 
+import ast
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -214,10 +217,6 @@ def test_fsdp_gathers_projection_weights_as_fp8_codes(tmp_path):
     """Under FSDP the COAT step quantizes each weight shard and all-gathers FP8 codes (1 byte
     per parameter, after the per-tensor amax is reduced): in the partitioned HLO every
     projection weight's all-gather is f8e4m3fn, none is fp32 or bf16."""
-    import ast
-    import pathlib
-    import re
-
     root = pathlib.Path(__file__).resolve().parents[1]
     script = FSDP_GATHER_SCRIPT.format(dump=tmp_path, root=str(root))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
