@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -352,3 +353,20 @@ def test_bf16_gradients_reach_the_fused_update_and_train_like_fp32(grad_accum):
     assert grads["float32"] == 2 * grads["bfloat16"]
     with pytest.raises(ValueError, match="grad_dtype"):
         train_loop.make_train_step(graph, optimizer, grad_dtype=jnp.float16)
+
+
+def test_bf16_gradients_sum_embedding_rows_in_fp32():
+    """With grad_dtype=bfloat16 every scatter-add of the step (the embedding gradient sums the
+    rows of repeated tokens) runs in fp32, the result cast once: a bf16 scatter-add rounds at
+    each repeat (and runs as compare-and-swap loops on a GPU)."""
+    config = load_config("llama_tiny")
+    model_config = llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
+    optimizer, _ = train_loop.make_optimizer(config.optimizer, config.steps)
+    step = train_loop.make_train_step(graph, optimizer, grad_dtype=jnp.bfloat16)
+    batch = jax.ShapeDtypeStruct((1, 2, 33), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(step)(params, optimizer.init(params), batch))
+    scatters = re.findall(r":(\w+)\[([\d,]*)\] = scatter-add", jaxpr)
+    table = f"{model_config.vocab_size},{model_config.dim}"
+    assert ("f32", table) in scatters, scatters
+    assert all(dtype == "f32" for dtype, _ in scatters), scatters

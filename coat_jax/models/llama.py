@@ -164,8 +164,10 @@ class Llama(nnx.Module):
         hidden = ("batch", None, None)  # under a mesh: examples split, features whole
         # The table is gathered whole before the lookup, as FSDP gathers any weight before use
         # (XLA cannot partition a lookup into a table sharded along its features). The lookup
-        # stays in fp32 so that its gradient sums repeated tokens in fp32.
-        table = constrain(self.embed[...], (None, None))
+        # reads the table in fp32, also when the weights come in bf16 (``grad_dtype=bfloat16``),
+        # so that its gradient sums repeated tokens in fp32: a bf16 scatter-add rounds every
+        # repeat and, on a GPU, runs as compare-and-swap loops.
+        table = constrain(self.embed[...].astype(jnp.float32), (None, None))
         x = constrain(table[tokens].astype(compute_dtype), hidden)
         for block in self.blocks:
             x = constrain(block(x, positions), hidden)
