@@ -65,9 +65,11 @@ cost does not depend on them). Per policy, at most ``--max_compiles`` (4) compil
 3. a line through the two compiled totals predicts the largest batch ``b`` with
    ``total(b) + slack <= device limit``; ``b`` is compiled, then params and optimizer state are
    created (once) and ``b`` is run (timed as in 1): the child's first device step;
-4. if that does not fit (compiled plan over the limit, or RESOURCE_EXHAUSTED), ``b - N`` is
-   (after an OOM nothing new is cached, so going down works where going up does not). If the
-   fixed batch did not fit, the search starts below it. ``runs`` lists the batches run, in order.
+4. if that does not fit: with its compiled plan over the limit, the batch the line through
+   ``b`` and the nearest other compiled batch predicts (``batch_below``; XLA's totals grow
+   faster than linearly at large batches); after RESOURCE_EXHAUSTED, ``b - N`` (after an OOM
+   nothing new is cached, so going down works where going up does not). If the fixed batch
+   did not fit, the search starts below it. ``runs`` lists the batches run, in order.
 
 Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
 skips them. ``--time_budget_s`` bounds the whole run: each policy gets an equal share of what is
@@ -402,8 +404,10 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
                 break
             compile_at(b)
         if not fits(b):
-            print(f"[{policy}] batch {b}: plan + slack over the limit, backing off", flush=True)
-            b -= n
+            b_next = batch_below(b, {x: p["compiled_total"] for x, p in plans.items()},
+                                 limit - slack, n)  # fmt: skip
+            print(f"[{policy}] batch {b}: plan + slack over the limit, next {b_next}", flush=True)
+            b = b_next
             continue
         if params is None:
             with phase("init params + optimizer state" + label):
@@ -415,6 +419,21 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         b -= n
     save()
     return result
+
+
+def batch_below(b: int, totals: dict, room: float, n: int) -> int:
+    """The next batch to try under ``b``, whose compiled total (``totals[b]``, bytes) is over
+    ``room``: along the line through ``b`` and the nearest other compiled batch, the largest
+    multiple of ``n`` whose total would fit (XLA's totals grow faster than linearly at large
+    batches, so a line from batch 1 overshoots there), and at least ``n`` below ``b``."""
+    others = [x for x in totals if x != b]
+    if not others:
+        return b - n
+    near = min(others, key=lambda x: abs(x - b))
+    slope = (totals[b] - totals[near]) / (b - near)
+    if slope <= 0:
+        return b - n
+    return b - n * max(1, math.ceil((totals[b] - room) / (slope * n)))
 
 
 def ratio(num, den):
@@ -544,8 +563,11 @@ def run_policy(args, policy: str, budget: float | None) -> dict:
     return result
 
 
-def report(config: dict, results: list[dict], wall_s: float, path: str | None, **extra):
-    """Prints the table and ratios of ``results``; writes them with ``config`` to ``path``."""
+def report(config: dict, results: list[dict], wall_s: float, path: str | None, measured_with=None,
+           **extra):  # fmt: skip
+    """Prints the table and ratios of ``results``; writes them with ``config`` to ``path``.
+    ``measured_with``: ``{"date", "jax"}`` of the runs (default: today and this process's)."""
+    when = measured_with or {"date": datetime.date.today().isoformat(), "jax": jax.__version__}
     ratios = summarize(results)
     measured = [r for r in results if "device" in r]
     first = measured[0] if measured else {}
@@ -556,7 +578,7 @@ def report(config: dict, results: list[dict], wall_s: float, path: str | None, *
         f"\n{config['model']} ({fmt(first.get('params') and first['params'] / 1e6, '{:.4g}M')} "
         f"params), seq {config['seq_len']}, synthetic tokens, on {devices} x "
         f"{first.get('device')} (mesh {mesh or '-'}; limit "
-        f"{fmt(limit and limit / 1e9, '{:.3g} GB')} per device), jax {jax.__version__}, "
+        f"{fmt(limit and limit / 1e9, '{:.3g} GB')} per device), jax {when['jax']}, "
         f"{wall_s:.0f} s"
     )
     print(table(results, ratios, config["batch"], devices))
@@ -566,12 +588,12 @@ def report(config: dict, results: list[dict], wall_s: float, path: str | None, *
     print(f"targets vs bf16: {TARGETS}")
     if path:
         out = {
-            "date": datetime.date.today().isoformat(),
+            "date": when["date"],
             "device": first.get("device"),
             "devices": devices,
             "mesh": first.get("mesh"),
             "device_limit_bytes": limit,
-            "jax": jax.__version__,
+            "jax": when["jax"],
             "config": config,
             "data": "synthetic: uniform random token ids, a new batch per batch size",
             "wall_s": wall_s,
@@ -600,12 +622,16 @@ def merge(paths: list[str], path: str | None) -> None:
                 f"--merge: {p} differs from {paths[0]} in "
                 + ", ".join(f"{k} ({same(r)[k]!r} vs {same(reports[0])[k]!r})" for k in differ)
             )
+    runs = {k: sorted({str(r.get(k)) for r in reports}) for k in ("jax", "date")}
+    if len(runs["jax"]) > 1:
+        raise ValueError(f"--merge: the runs used different jax versions: {runs['jax']}")
     results = [x for r in reports for x in r["results"]]
     policies = [x["policy"] for x in results]
     if len(set(policies)) < len(policies):
         raise ValueError(f"--merge: a policy appears twice in {policies}")
     wall_s = max(r.get("wall_s", 0) for r in reports)  # separate runs: in parallel, say
-    report(reports[0]["config"], results, wall_s, path, merged_from=paths)
+    measured_with = {"jax": runs["jax"][0], "date": " and ".join(runs["date"])}
+    report(reports[0]["config"], results, wall_s, path, measured_with, merged_from=paths)
 
 
 def main():

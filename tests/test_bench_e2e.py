@@ -137,7 +137,7 @@ def test_e2e_refuses_a_batch_that_does_not_split_over_the_devices():
 
 
 def test_e2e_merge_combines_separate_runs_and_refuses_different_ones(tmp_path, capsys):
-    def write(name, policy, **config):
+    def write(name, policy, jax_version="0.11.2", **config):
         fixed = {"batch": 2, "oom": False, "tokens_per_s": 1000.0, "peak_bytes": 4e9,
                  "tokens_per_s_per_device": 500.0, "mfu": 0.4}  # fmt: skip
         result = {"policy": policy, "device": "H200", "devices": 2, "params": 7e9,
@@ -146,7 +146,8 @@ def test_e2e_merge_combines_separate_runs_and_refuses_different_ones(tmp_path, c
                   "max_batch": 4 if policy == "bf16+adamw" else 8}  # fmt: skip
         config = {"model": "llama2_7b", "seq_len": 2048, "batch": 2, "fsdp": 2, "set": []} | config
         path = tmp_path / name
-        path.write_text(json.dumps({"config": config, "wall_s": 5.0, "results": [result]}))
+        path.write_text(json.dumps({"config": config, "wall_s": 5.0, "results": [result],
+                                    "jax": jax_version, "date": "2026-11-30"}))  # fmt: skip
         return str(path)
 
     a, b = write("a.json", "bf16+adamw"), write("b.json", "coat+fp8_adamw")
@@ -157,6 +158,9 @@ def test_e2e_merge_combines_separate_runs_and_refuses_different_ones(tmp_path, c
     assert [r["policy"] for r in merged["results"]] == ["bf16+adamw", "coat+fp8_adamw"]
     assert merged["ratios_vs_bf16"]["coat+fp8_adamw"]["max_batch_ratio"] == 2.0
     assert merged["devices"] == 2 and merged["merged_from"] == [a, b]
+    assert (merged["jax"], merged["date"]) == ("0.11.2", "2026-11-30")  # the runs', not ours
+    with pytest.raises(ValueError, match="different jax versions"):
+        e2e.merge([a, write("d.json", "coat+fp8_adamw", jax_version="0.10.2")], None)
     for key, value in (("fsdp", 1), ("seq_len", 4096), ("model", "tinyllama_1b"), ("batch", 4)):
         other = write("c.json", "coat+fp8_adamw", **{key: value})
         with pytest.raises(ValueError, match=f"differs from .*a.json in {key}"):
@@ -241,3 +245,19 @@ def test_policy_names_may_ask_for_bf16_gradients():
     )
     with pytest.raises(ValueError, match="third part"):
         e2e.bench_config(args, "coat+fp8_adamw+fp16")
+
+
+def test_batch_below_follows_the_local_slope_of_the_compiled_totals():
+    # TinyLlama's COAT search on an H200 (GB): the line from batch 1 said 53, over the limit;
+    # one sequence at a time ran out of compiles. The local slope (53 -> 58) jumps to 48.
+    totals = {1: 11.15e9, 53: 148.33e9, 58: 154.97e9}
+    room = 142.6e9
+    b = e2e.batch_below(53, totals, room, 1)
+    slope = (totals[58] - totals[53]) / 5
+    assert totals[53] - slope * (53 - b) <= room < totals[53] - slope * (53 - b - 1)
+    assert b == 48
+    # Steps of n (one sequence per device), at least one step, and straight down without a slope.
+    assert e2e.batch_below(26, {2: 36.8e9, 26: 140.9e9, 28: 146.1e9}, 140.0e9, 2) == 24
+    assert e2e.batch_below(26, {2: 36.8e9, 26: 140.9e9}, 140.8e9, 2) == 24
+    assert e2e.batch_below(8, {8: 9.0e9}, 1.0e9, 2) == 6
+    assert e2e.batch_below(8, {8: 9.0e9, 4: 9.5e9}, 1.0e9, 2) == 6
