@@ -19,6 +19,7 @@ Each device op of the trace is put in one category by the HLO instruction it ran
 * ``elementwise / reduction (fusion)``, ``copy / transpose``, ``other``.
 
 Printed and written (``--json``): per category ms per step and share of the device time, the
+communication by collective and element type (``all-gather f8e4m3fn``: an FP8 weight gather), the
 top kernels, the step's wall time (median) next to the device time, and the trace's process and
 thread names (so an unexpected trace layout shows). The trace folder is kept (``--trace_dir``)
 for Perfetto / TensorBoard. CUDA graphs (XLA's command buffers) are turned off so that every
@@ -88,6 +89,32 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     for name, out_type, opcode, rest in parsed:
         categories[name] = _category(out_type, opcode, rest, types)
     return categories
+
+
+def collective_kinds(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: "<collective> <element type>"}`` for the collectives of a compiled
+    HLO module (``all-gather f8e4m3fn``, ``reduce-scatter f32``, ...): which communication an
+    FP8 policy changed."""
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = INSTRUCTION.match(line)
+        base = m and m.group(3).removesuffix("-start").removesuffix("-done")
+        if base in COLLECTIVES:
+            dtype = re.search(r"\b(\w+)\[", m.group(2))
+            kinds[m.group(1)] = f"{base} {dtype.group(1)}" if dtype else base
+    return kinds
+
+
+def _collective_kind(name: str, kinds: dict[str, str]) -> str:
+    """A traced collective's kind: its HLO instruction's (``kinds``), or that of the async
+    ``-start`` op XLA made of it (the trace may keep the name from before: ``all-gather.3`` for
+    ``all-gather-start.3``), else the collective its name starts with, else ``other``."""
+    if name in kinds:
+        return kinds[name]
+    base = next((c for c in COLLECTIVES if name.startswith(c)), None)
+    if base is None:
+        return "other"
+    return kinds.get(f"{base}-start{name[len(base) :]}", base)
 
 
 def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> str:
@@ -179,18 +206,21 @@ def _fallback_category(name: str) -> str:
     return "other"
 
 
-def summarize(ops, categories: dict[str, str], steps: int, top: int) -> dict:
+def summarize(ops, categories: dict[str, str], steps: int, top: int, kinds=None) -> dict:
     """Per category: ms per step (summed over devices, divided by their number) and share;
-    the ``top`` op names by total time. ``categories`` maps HLO names (unknown names fall back
-    to kernel-name patterns)."""
+    the ``top`` op names by total time; ms per step of each collective kind (``kinds``, from
+    :func:`collective_kinds`). ``categories`` maps HLO names (unknown names fall back to
+    kernel-name patterns)."""
     devices = max(len({pid for _, _, pid in ops}), 1)
-    per_cat, per_op = collections.Counter(), collections.Counter()
-    cat_of = {}
+    per_cat, per_op, per_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    cat_of, kinds = {}, kinds or {}
     for name, us, _ in ops:
         cat = categories.get(name) or _fallback_category(name)
         cat_of[name] = cat
         per_cat[cat] += us
         per_op[name] += us
+        if cat == "communication":
+            per_kind[_collective_kind(name, kinds)] += us
     total = sum(per_cat.values())
     scale = 1e-3 / (steps * devices)  # microseconds over all steps and devices -> ms per step
     return {
@@ -204,6 +234,7 @@ def summarize(ops, categories: dict[str, str], steps: int, top: int) -> dict:
             {"name": n, "category": cat_of[n], "ms_per_step": us * scale}
             for n, us in per_op.most_common(top)
         ],  # fmt: skip
+        "communication_ms_per_step": {k: us * scale for k, us in per_kind.most_common()},
     }
 
 
@@ -245,7 +276,8 @@ def main(argv=None):
         compiled = step.lower(params, opt_state, batch).compile()
         result["compile_s"] = time.perf_counter() - started
         print(f"compiled in {result['compile_s']:.0f} s", flush=True)
-        categories = hlo_categories(compiled.as_text())
+        hlo = compiled.as_text()
+        categories, kinds = hlo_categories(hlo), collective_kinds(hlo)
         times = []
         for _ in range(args.warmup):
             params, opt_state, metrics = compiled(params, opt_state, batch)
@@ -267,7 +299,7 @@ def main(argv=None):
     ops, layout = device_ops(_load_trace(args.trace_dir))
     result["trace_layout"] = layout
     result["hlo_instructions"] = len(categories)
-    result.update(summarize(ops, categories, args.steps, args.top))
+    result.update(summarize(ops, categories, args.steps, args.top, kinds))
 
     print(f"\n{result['device']} x {result['devices']}, mesh {result['mesh']}, "
           f"{result['params'] / 1e6:.0f}M params, {' '.join(args.set)}")  # fmt: skip
@@ -283,6 +315,10 @@ def main(argv=None):
         print("| category | ms / step | share |\n|---|---|---|")
         for cat, v in result["categories"].items():
             print(f"| {cat} | {v['ms_per_step']:.2f} | {v['share']:.1%} |")
+        if result["communication_ms_per_step"]:
+            print("\n| collective | ms / step |\n|---|---|")
+            for kind, ms in result["communication_ms_per_step"].items():
+                print(f"| {kind} | {ms:.2f} |")
         print("\n| top op | category | ms / step |\n|---|---|---|")
         for op in result["top_ops"]:
             print(f"| {op['name']} | {op['category']} | {op['ms_per_step']:.3f} |")
