@@ -6,11 +6,13 @@
 # with half the time.
 #
 #   OUT=/some/dir bash bench/evidence_gpu.sh      (OUT defaults to bench/results)
+#   POLICIES=bf16+adamw,coat+fp8_adamw E2E_BUDGET=500 bash bench/evidence_gpu.sh
+#                                                 (fewer e2e policies, more time for each)
 source "$(dirname "$0")/gpu_env.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 GPUS=$(nvidia-smi -L | wc -l)
-E2E=(bench/e2e.py --model llama2_7b --time_budget_s 420
-     --policies bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads
+E2E=(bench/e2e.py --model llama2_7b --time_budget_s "${E2E_BUDGET:-420}"
+     --policies "${POLICIES:-bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads}"
      --json "$OUT/e2e_llama2_7b_h200_$DAY.json")
 FID=(bench/fidelity.py --chunk_steps 2000 --time_budget_s 480
      --runs "bf16+adamw;coat+fp8_adamw;coat+fp8_adamw, no expansion;coat+fp8_adamw, bf16 gradients"
