@@ -106,15 +106,12 @@ def collective_kinds(hlo_text: str) -> dict[str, str]:
 
 
 def _collective_kind(name: str, kinds: dict[str, str]) -> str:
-    """A traced collective's kind: its HLO instruction's (``kinds``), or that of the async
-    ``-start`` op XLA made of it (the trace may keep the name from before: ``all-gather.3`` for
-    ``all-gather-start.3``), else the collective its name starts with, else ``other``."""
+    """A traced collective's kind: its HLO instruction's (``kinds``), else the collective its
+    name starts with (element type unknown: on an H200 the async gathers and reduce-scatters
+    are traced under names the compiled module's text does not hold), else ``other``."""
     if name in kinds:
         return kinds[name]
-    base = next((c for c in COLLECTIVES if name.startswith(c)), None)
-    if base is None:
-        return "other"
-    return kinds.get(f"{base}-start{name[len(base) :]}", base)
+    return next((c for c in COLLECTIVES if name.startswith(c)), "other")
 
 
 def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> str:
