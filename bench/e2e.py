@@ -377,11 +377,9 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         save()
         return result
     compile_at(probe)
-    (lo, t_lo), (hi, t_hi) = sorted((b, plans[b]["compiled_total"]) for b in (b0, probe))
-    slope = (t_hi - t_lo) / (hi - lo)
-    room = limit - slack - plans[probe]["compiled_total"]
-    b = probe if slope <= 0 else probe + n * math.floor(room / (slope * n))
-    b = min(max(b, n), 4 * max(probe, b0))
+    totals = lambda: {x: plan["compiled_total"] for x, plan in plans.items()}
+    b, slope = batch_on_line(probe, b0, totals(), limit - slack, n)
+    b = min(max(probe if b is None else b, n), 4 * max(probe, b0))
     if fixed_oom:  # batch b0 did not fit: below it
         b = min(b, b0 - n)
     result["predicted_max_batch"] = b
@@ -404,8 +402,7 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
                 break
             compile_at(b)
         if not fits(b):
-            b_next = batch_below(b, {x: p["compiled_total"] for x, p in plans.items()},
-                                 limit - slack, n)  # fmt: skip
+            b_next = batch_below(b, totals(), limit - slack, n)
             print(f"[{policy}] batch {b}: plan + slack over the limit, next {b_next}", flush=True)
             b = b_next
             continue
@@ -429,11 +426,18 @@ def batch_below(b: int, totals: dict, room: float, n: int) -> int:
     others = [x for x in totals if x != b]
     if not others:
         return b - n
-    near = min(others, key=lambda x: abs(x - b))
-    slope = (totals[b] - totals[near]) / (b - near)
+    on_line, _ = batch_on_line(b, min(others, key=lambda x: abs(x - b)), totals, room, n)
+    return b - n if on_line is None else min(b - n, on_line)
+
+
+def batch_on_line(b: int, other: int, totals: dict, room: float, n: int):
+    """``(batch, bytes per sequence)``: along the line through the compiled totals (bytes) at
+    ``b`` and ``other``, the largest batch ``b + k n`` (k of either sign) whose total would fit
+    ``room``; the batch is None where the line does not rise."""
+    slope = (totals[b] - totals[other]) / (b - other)
     if slope <= 0:
-        return b - n
-    return b - n * max(1, math.ceil((totals[b] - room) / (slope * n)))
+        return None, slope
+    return b + n * math.floor((room - totals[b]) / (slope * n)), slope
 
 
 def ratio(num, den):
