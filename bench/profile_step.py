@@ -78,13 +78,8 @@ def load_config(path: str, sets: list[str]):
 def hlo_categories(hlo_text: str) -> dict[str, str]:
     """``{instruction name: category}`` for every instruction of a compiled HLO module's text
     (names as the profiler reports them, without ``%``)."""
-    types, parsed = {}, []
-    for line in hlo_text.splitlines():
-        m = INSTRUCTION.match(line)
-        if m:
-            name, out_type, opcode, rest = m.groups()
-            types[name] = out_type
-            parsed.append((name, out_type, opcode, rest))
+    parsed = _instructions(hlo_text)
+    types = {name: out_type for name, out_type, _, _ in parsed}
     categories = {}
     for name, out_type, opcode, rest in parsed:
         categories[name] = _category(out_type, opcode, rest, types)
@@ -96,13 +91,23 @@ def collective_kinds(hlo_text: str) -> dict[str, str]:
     HLO module (``all-gather f8e4m3fn``, ``reduce-scatter f32``, ...): which communication an
     FP8 policy changed."""
     kinds = {}
-    for line in hlo_text.splitlines():
-        m = INSTRUCTION.match(line)
-        base = m and m.group(3).removesuffix("-start").removesuffix("-done")
-        if base in COLLECTIVES:
-            dtype = re.search(r"\b(\w+)\[", m.group(2))
-            kinds[m.group(1)] = f"{base} {dtype.group(1)}" if dtype else base
+    for name, out_type, opcode, _ in _instructions(hlo_text):
+        base = _collective(opcode)
+        if base:
+            dtype = re.search(r"\b(\w+)\[", out_type)
+            kinds[name] = f"{base} {dtype.group(1)}" if dtype else base
     return kinds
+
+
+def _instructions(hlo_text: str) -> list[tuple[str, str, str, str]]:
+    """``(name, output type, opcode, rest of the line)`` of each instruction line."""
+    return [m.groups() for m in map(INSTRUCTION.match, hlo_text.splitlines()) if m]
+
+
+def _collective(opcode: str) -> str | None:
+    """The collective an opcode runs (its async ``-start`` / ``-done`` halves included)."""
+    base = opcode.removesuffix("-start").removesuffix("-done")
+    return base if base in COLLECTIVES else None
 
 
 def _collective_kind(name: str, kinds: dict[str, str]) -> str:
@@ -115,8 +120,7 @@ def _collective_kind(name: str, kinds: dict[str, str]) -> str:
 
 
 def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> str:
-    base = opcode.removesuffix("-start").removesuffix("-done")
-    if base in COLLECTIVES:
+    if _collective(opcode):
         return "communication"
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     target = target.group(1).lower() if target else ""
