@@ -2,14 +2,16 @@
 
   python train.py --config configs/llama.py                      # small model, any machine
   python train.py --config configs/llama.py --config.steps=1000 --config.precision=bf16
-  python train.py --config configs/llama2_7b.py --dry_run        # memory plan, nothing runs
+  python train.py --config configs/llama2_7b.py --dry_run        # memory plan, largest batch
+  python train.py --config configs/llama2_7b.py --config.batch_size=-1   # at the largest batch
   python train.py --config configs/llama.py --config.resume=True # continue from the latest
   python train.py --config configs/llama2_7b.py --config.mesh.fsdp=-1 --config.mesh.data=1
   python train.py --config configs/llama_finetune.py --config.init_from=/path/to/hf_llama
 
 Writes to ``config.workdir``: checkpoints/, metrics.jsonl, loss.png, config.json. Runs on every
 visible device (``config.mesh``); started as one of several processes (``JAX_COORDINATOR_ADDRESS``
-+ ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``, or SLURM / Open MPI) it joins them first.
++ ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``, or SLURM / Open MPI) it joins them first. Unless
+set in the environment, it preallocates 95% of each GPU (``coat_jax.training.allocator``).
 """
 
 from __future__ import annotations
@@ -20,19 +22,22 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
-from flax import nnx
 from ml_collections import config_flags
 
-from coat_jax import configs, data, finetune, parallel, planner, sharding, train_loop
-from coat_jax.checkpoint import Checkpointer
-from coat_jax.models.llama import Llama, init_params
+from coat_jax.core import measure
+from coat_jax.training import allocator, configs, data, finetune, metrics, parallel, planner
+from coat_jax.training.checkpoint import Checkpointer
+from coat_jax.training.run import assemble
+from coat_jax.training.step import global_batch
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py", "Training config file.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the train step, print a memory plan, exit.")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the train step, print its memory plan and the largest batch that "
+    "fits, exit.",
+)  # fmt: skip
 
 
 def is_main() -> bool:
@@ -45,102 +50,79 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def build(config):
-    """Tokenizer, model config, abstract parameters (nothing allocated), their creator, the
-    optimizer and its schedule, and where all of it lives on the device mesh."""
-    tokenizer = data.load_tokenizer(config.data.tokenizer)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"config.model.vocab_size={config.model.vocab_size} is smaller than the "
-            f"tokenizer's vocabulary ({tokenizer.vocab_size})"
-        )
-    model_config = configs.llama_config(config)
-    create = lambda shardings: init_params(model_config, config.seed, shardings)[1]
-    graph, params = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
-    if config.init_from:  # the weights to fine-tune, read straight into their shards
-        create = lambda shardings: finetune.initial_params(config, params, shardings)
-    optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
+def dry_run(run) -> None:
+    """Prints the memory plan at the config's batch (if one is set) and the largest batch."""
+    config = run.config
+    mesh = ", ".join(f"{k} {v}" for k, v in run.placement.mesh.shape.items())
+    plan = {}
+    if config.batch_size != -1:
+        plan = planner.memory_plan(run)
+        log(f"Memory plan per device ({config.precision}, {config.optimizer.name}, batch "
+            f"{config.batch_size} x seq {config.seq_len}, grad_accum {config.grad_accum}, mesh "
+            f"{mesh}) on {jax.devices()[0].device_kind}:\n{planner.format_plan(plan)}")  # fmt: skip
     try:
-        mesh = sharding.make_mesh(**config.mesh)
+        largest = planner.largest_batch(run)
+        plan["largest_batch"] = largest.batch_size
+        log(f"{largest.describe()}\n  train at it: --config.batch_size=-1 (or "
+            f"--config.batch_size={largest.batch_size})")  # fmt: skip
     except ValueError as e:
-        raise ValueError(f"config.mesh: {e}") from None
-    placement = parallel.make_placement(mesh, params, optimizer)
-    micro = config.batch_size // config.grad_accum
-    if micro % placement.batch_shards:
-        raise ValueError(
-            f"config.batch_size / grad_accum = {micro} examples per micro-batch must divide "
-            f"over mesh data x fsdp = {placement.batch_shards} devices"
-        )
-    return tokenizer, model_config, graph, params, create, optimizer, schedule, placement
-
-
-def make_step(config, graph, optimizer, schedule, placement):
-    """The jitted train step, with the fused optimizer kernel where it runs."""
-    step, fused = train_loop.config_train_step(config, graph, optimizer, schedule, placement)
-    if fused:
-        log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
-    return step
-
-
-def dry_run(config, model_config, graph, params, optimizer, schedule, placement) -> None:
-    opt_state = jax.eval_shape(optimizer.init, params)
-    micro = config.batch_size // config.grad_accum
-    batch = jax.ShapeDtypeStruct((config.grad_accum, micro, config.seq_len + 1), jnp.int32)
-    step = make_step(config, graph, optimizer, schedule, placement)
-    plan = planner.memory_plan(
-        step, graph, params, opt_state, batch, model_config, placement, config.grad_dtype
-    )
-    run = f"{config.precision}, {config.optimizer.name}, batch {config.batch_size} x seq "
-    mesh = ", ".join(f"{k} {v}" for k, v in placement.mesh.shape.items())
-    log(f"Memory plan per device ({run}{config.seq_len}, grad_accum {config.grad_accum}, "
-        f"mesh {mesh}) on {jax.devices()[0].device_kind}:")  # fmt: skip
-    log(planner.format_plan(plan))
+        log(f"largest batch: not planned ({e})")
     if is_main():
         with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
             json.dump(plan, f, indent=2)
 
 
-def evaluate(eval_step, params, sampler, batches: int, placement) -> float:
+def evaluate(run, params, sampler) -> float:
     shape = (sampler.batch_size, sampler.seq_len + 1)
-    batch = lambda i: train_loop.global_batch(sampler, i, "eval", shape, placement.eval_batch)
-    return float(np.mean([eval_step(params, batch(i)) for i in range(batches)]))
+    batch = lambda i: global_batch(sampler, i, "eval", shape, run.placement.eval_batch)
+    return float(np.mean([run.eval_step(params, batch(i)) for i in range(run.config.eval_batches)]))
 
 
-def main(argv):
+def main(argv, allocator_set: dict) -> None:
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     config = _CONFIG.value
+    settings = ", ".join(f"{k}={v}" for k, v in measure.allocator_settings().items())
+    log(f"Allocator: {settings}" + (" (set by train.py; export them to choose)"
+                                    if allocator_set else ""))  # fmt: skip
     try:
         finetune.resolve_init_from(config)
         configs.validate(config)
-        tokenizer, model_config, graph, params, create, optimizer, schedule, placement = build(
-            config
-        )
+        if config.compile_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+        run = assemble(config)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: {e}")
     os.makedirs(config.workdir, exist_ok=True)
-    n_params = model_config.num_params()
-    log(f"Llama {n_params / 1e6:.2f}M params, precision={config.precision}, "
+    log(f"Llama {run.model.num_params() / 1e6:.2f}M params, precision={config.precision}, "
         f"optimizer={config.optimizer.name}, {jax.device_count()} devices "
-        f"({jax.process_count()} processes), mesh {dict(placement.mesh.shape)}")  # fmt: skip
-    with jax.set_mesh(placement.mesh):
+        f"({jax.process_count()} processes), mesh {dict(run.placement.mesh.shape)}")  # fmt: skip
+    if run.fused_update:
+        log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
+    with jax.set_mesh(run.placement.mesh):
         if _DRY_RUN.value:
-            dry_run(config, model_config, graph, params, optimizer, schedule, placement)
-        else:
-            train(config, model_config, graph, params, create, optimizer, schedule, placement,
-                  tokenizer)  # fmt: skip
+            return dry_run(run)
+        if config.batch_size == -1:
+            try:
+                largest = planner.largest_batch(run)
+            except ValueError as e:
+                sys.exit(f"train.py: config.batch_size=-1: {e}")
+            if not largest.batch_size:
+                sys.exit(f"train.py: config.batch_size=-1: no batch fits; {largest.describe()}")
+            log(largest.describe())
+            config.batch_size = largest.batch_size
+        train(run)
 
 
-def train(config, model_config, graph, params, create, optimizer, schedule, placement, tokenizer):
-    """The training loop; ``params`` are abstract (shapes) until created or restored."""
+def train(run) -> None:
+    """The training loop."""
+    config, placement = run.config, run.placement
     try:
-        sampler = data.make_sampler(config, tokenizer)
+        sampler = data.make_sampler(config, run.tokenizer)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: config.data: {e}")
-    train_step = make_step(config, graph, optimizer, schedule, placement)
-    eval_step = train_loop.make_eval_step(graph, placement)
     ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
-    metrics = train_loop.MetricsWriter(config.workdir)
+    writer = metrics.MetricsWriter(config.workdir)
 
     start_step, latest = 0, ckpt.latest_step()
     if latest is not None and not config.resume:
@@ -150,28 +132,25 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
         )
     started = time.perf_counter()
     if latest is None:
-        params = create(placement.params)
-        opt_state = placement.init_opt_state(optimizer, params)
+        params, opt_state = run.create()
         log(f"Initialized in {time.perf_counter() - started:.0f} s")
-        if is_main() and os.path.exists(metrics.path):
-            os.remove(metrics.path)  # no checkpoint: these metrics belong to nothing resumable
+        if is_main() and os.path.exists(writer.path):
+            os.remove(writer.path)  # no checkpoint: these metrics belong to nothing resumable
     else:  # restored straight into this run's shards, whatever mesh saved them
-        opt_state = jax.eval_shape(optimizer.init, params)
-        params, opt_state = placement.abstract(params, opt_state)
-        params, opt_state, meta = ckpt.restore(latest, params, opt_state)
+        params, opt_state, meta = ckpt.restore(latest, *run.abstract_state())
         start_step = meta["step"]
         if meta.get("seed") != config.seed:
             sys.exit(f"train.py: config.seed={config.seed} differs from the checkpoint's {meta}")
         if is_main():
-            kept = [r for r in metrics.read() if r["step"] <= start_step]
-            with open(metrics.path, "w") as f:
+            kept = [r for r in writer.read() if r["step"] <= start_step]
+            with open(writer.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
         log(f"Resumed from step {start_step} ({ckpt.directory})")
     if is_main():
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
 
-    batch_shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
+    batch_shape = run.batch_shape()
     tokens_per_step = config.batch_size * config.seq_len
     bar = None
     if config.progress and is_main():
@@ -180,8 +159,8 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, config.steps):
-        batch = train_loop.global_batch(sampler, step, "train", batch_shape, placement.batch)
-        params, opt_state, m = train_step(params, opt_state, batch)
+        batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
+        params, opt_state, m = run.train_step(params, opt_state, batch)
         window_steps += 1
         done = step + 1
         if step == start_step:  # keep compilation out of the throughput numbers
@@ -192,22 +171,21 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
             loss, grad_norm = float(m["loss"]), float(m["grad_norm"])  # waits for the device
             seconds = (time.perf_counter() - window_start) / max(window_steps, 1)
             record = {"step": done, "train_loss": loss, "grad_norm": grad_norm,
-                      "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
+                      "lr": float(run.optimizer.schedule(step)),
+                      "tokens_per_s": tokens_per_step / seconds,
                       "step_ms": seconds * 1e3}  # fmt: skip
             record["tokens_per_s_per_device"] = record["tokens_per_s"] / jax.device_count()
-            mfu = train_loop.mfu(model_config, config.seq_len, record["tokens_per_s"],
-                                 jax.device_count(), config.peak_tflops)  # fmt: skip
+            mfu = metrics.mfu(run.model, config.seq_len, record["tokens_per_s"],
+                              jax.device_count(), config.peak_tflops)  # fmt: skip
             if mfu is not None:
                 record["mfu"] = mfu
-            stats = [d.memory_stats() or {} for d in jax.local_devices()]
-            if all("peak_bytes_in_use" in st for st in stats):  # the fullest device's
-                record["peak_mem_gb"] = max(st["peak_bytes_in_use"] for st in stats) / 1e9
+            peak = measure.device_memory().peak  # the fullest local device's
+            if peak is not None:
+                record["peak_mem_gb"] = peak / 1e9
             if done % config.eval_interval == 0 or done == config.steps:
-                record["eval_loss"] = evaluate(
-                    eval_step, params, sampler, config.eval_batches, placement
-                )
+                record["eval_loss"] = evaluate(run, params, sampler)
             if is_main():
-                metrics.write(record)
+                writer.write(record)
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {done}; stopping")
             line = " ".join(
@@ -229,10 +207,11 @@ def train(config, model_config, graph, params, create, optimizer, schedule, plac
     ckpt.wait()
     ckpt.close()
     if is_main():
-        train_loop.plot_metrics(metrics.read(), os.path.join(config.workdir, "loss.png"))
+        metrics.plot_metrics(writer.read(), os.path.join(config.workdir, "loss.png"))
     log(f"Done: {config.steps} steps; metrics, loss.png and checkpoints in {config.workdir}")
 
 
 if __name__ == "__main__":
+    _allocator_set = allocator.configure()  # before anything starts JAX's backend
     parallel.initialize_from_env()  # before the config file asks JAX which backend it has
-    sys.exit(app.run(main))
+    app.run(lambda argv: main(argv, _allocator_set))

@@ -7,32 +7,48 @@ Public API:
   ``optax.apply_updates`` in one pass (Pallas on Hopper, for trainers that own the step).
 * :func:`quantize`, :func:`dequantize`, :class:`QuantizedArray`: FP8 quantization per tensor or
   per group along the last axis, as a pytree.
-* :data:`E4M3`, :data:`E5M2`, :func:`get_format`: the FP8 formats.
+* :data:`E4M3`, :data:`E5M2`, :func:`get_format`: the FP8 formats; :class:`Fp8Recipe`: how a
+  model computes in FP8 (formats, group size, GEMM backend).
+
+The package is layered, each layer importing only those below it (``tests/test_layers.py``):
+``coat_jax.core`` (math, state types, recipe) <- ``pallas_kernels`` <- ``coat_jax.ops`` (FP8
+ops, optimizers, sharding) <- ``coat_jax.models`` <- ``coat_jax.training`` <- ``train.py``,
+``coat_jax.tools``, ``bench/``. The names above load on first use, so that importing a low
+layer (a kernel, say) never loads this package's higher layers.
 """
 
-from coat_jax.formats import E4M3, E5M2, Fp8Format, get_format
-from coat_jax.optim import (
-    DEFAULT_MIN_SIZE,
-    ScaleByFp8AdamState,
-    fp8_adamw,
-    fused_fp8_adamw_update,
-    scale_by_fp8_adam,
-)
-from coat_jax.quant import QuantizedArray, dequantize, quantize
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_MIN_SIZE",
-    "E4M3",
-    "E5M2",
-    "Fp8Format",
-    "QuantizedArray",
-    "ScaleByFp8AdamState",
-    "dequantize",
-    "fp8_adamw",
-    "fused_fp8_adamw_update",
-    "get_format",
-    "quantize",
-    "scale_by_fp8_adam",
-]
+_PUBLIC = {
+    "DEFAULT_MIN_SIZE": "coat_jax.ops.optim",
+    "E4M3": "coat_jax.core.formats",
+    "E5M2": "coat_jax.core.formats",
+    "Fp8Format": "coat_jax.core.formats",
+    "Fp8Recipe": "coat_jax.core.recipe",
+    "QuantizedArray": "coat_jax.core.quant",
+    "ScaleByFp8AdamState": "coat_jax.core.adam",
+    "dequantize": "coat_jax.core.quant",
+    "fp8_adamw": "coat_jax.ops.optim",
+    "fused_fp8_adamw_update": ("coat_jax.ops.fused_update", "fp8_adamw_update"),
+    "get_format": "coat_jax.core.formats",
+    "quantize": "coat_jax.core.quant",
+    "scale_by_fp8_adam": "coat_jax.ops.optim",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'coat_jax' has no attribute {name!r}")
+    module, attr = _PUBLIC[name] if isinstance(_PUBLIC[name], tuple) else (_PUBLIC[name], name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])

@@ -4,7 +4,7 @@ Override anything with ``--config.key=value``."""
 
 import jax
 
-from coat_jax.configs import base_config
+from coat_jax.training.configs import base_config
 
 
 def get_config():

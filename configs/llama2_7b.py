@@ -5,7 +5,7 @@ tokenizer (default, vocab 256 inside the 32000-row embedding). Check memory firs
 ``python train.py --config configs/llama2_7b.py --dry_run``.
 """
 
-from coat_jax.configs import pretraining_config
+from coat_jax.training.configs import pretraining_config
 
 
 def get_config():

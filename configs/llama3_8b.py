@@ -5,7 +5,7 @@ tokenizer (default, vocab 256 inside the 128256-row embedding). Check memory fir
 ``python train.py --config configs/llama3_8b.py --dry_run``.
 """
 
-from coat_jax.configs import pretraining_config
+from coat_jax.training.configs import pretraining_config
 
 
 def get_config():

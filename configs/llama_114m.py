@@ -5,7 +5,7 @@ bytes of ``data.source="stdlib_all"``: the first H200 run used the 4.5 MB ``"std
 3.6 passes, and its train loss measured memorisation). Needs a GPU in practice; does not ask JAX
 for its backend, so a driver can load it without touching the GPU."""
 
-from coat_jax.configs import base_config
+from coat_jax.training.configs import base_config
 
 
 def get_config():

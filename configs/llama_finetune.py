@@ -9,7 +9,7 @@
 Export the result with ``python -m coat_jax.tools.export_hf --workdir runs/finetune --out DIR``.
 """
 
-from coat_jax.configs import base_config
+from coat_jax.training.configs import base_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """A 2-layer, 64-wide Llama for tests and smoke runs (seconds on a CPU)."""
 
-from coat_jax.configs import base_config
+from coat_jax.training.configs import base_config
 
 
 def get_config():

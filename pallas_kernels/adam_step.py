@@ -1,35 +1,28 @@
 """Fused FP8 Adam moment step: dequantize -> Adam in fp32 -> requantize, one pass over memory.
 
-Design (how it composes with optax): ``scale_by_fp8_adam`` sees gradients and its own state,
-never the learning rate, the weight decay or the parameters (later links of the chain apply
-those), so the legal fusion is exactly that transformation: read ``g`` and the FP8 moments
-(codes, ``amax`` and expansion exponent per group), write the Adam direction ``u`` and the new
-FP8 moments. For each group of ``G`` elements along the last axis:
+The kernel of ``scale_by_fp8_adam`` (``coat_jax.ops.optim``): that transformation sees the
+gradients and its own state, never the learning rate, weight decay or parameters, so the legal
+fusion is exactly it: read ``g`` and the FP8 moments (codes, ``amax`` and expansion exponent per
+group), write the Adam direction ``u`` and the new FP8 moments. For each group of ``G`` elements
+along the last axis:
 
   m, v  = Q^-1(m_hat), Q^-1(v_hat)                  (range expansion inverted when expanded)
-  m'    = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2
-  u     = (m' / bc1) / (sqrt(v' / bc2 + eps_root) + eps)
+  m', v' = coat_jax.core.adam.update_moments(g, m, v),  u = coat_jax.core.adam.direction(m', v')
   m_hat', v_hat' = Q(m'), Q(v')                     (new amax, k per group)
 
 Bytes per parameter: g 4 + u 4 + moments 2 x 2 x 1.04 = 12.2 (fp32 Adam's moment step: 20).
-:mod:`pallas_kernels.adam_update` fuses the rest of AdamW (16.2 bytes per parameter in all).
+:mod:`pallas_kernels.adam_update` fuses the rest of AdamW with the same per-tile math
+(:func:`moment_update`) and tuning (:class:`AdamStepTuning`).
 
-Layout and cost (why this is faster than the first version, 31.5 ms for 1.01B parameters on an
-H200 where the XLA reference took 17.9): arrays are viewed in HBM as ``(n_groups, G)`` (a free
-reshape), so a tile is ``(block_rows, G)``, one group per tile row: the group reductions are
-row reductions inside a warp and no in-kernel 3-D reshape (a shared-memory layout conversion in
-Triton, six of them per tile before) is needed. The per-group math is the reference's own
-(``coat_jax.quant.encode`` / ``decode``), traced here, in the form that costs per element one
-``log`` and one ``exp2`` per moment and direction (4 + 4 in all, against 10 ``log``, 6 ``exp``
-and 6 divisions before: ``1/k``, ``log2(e) k`` and ``amax`` splits are per group), and bias
-corrections as products with per-call reciprocals. On the GPU, ``approx_log`` computes ``log``
-with the ``lg2.approx.f32`` instruction (one MUFU op, relative error < 2^-22) instead of
-libdevice's ``logf`` (~20 instructions). At ~16 B/param, the 3.9 ms memory floor for 1B
-parameters leaves ~130 simple instructions per element on an H200; the per-element work is now
-about 120 with libdevice logs and 60 with ``approx_log``, so the kernel can stay memory-bound.
-
-Kernel and reference agree to fp32 rounding of the transcendentals (tested). Pallas Triton
-backend; ``interpret=True`` runs the same body on the CPU (with ``jnp.log``).
+Layout: arrays are viewed in HBM as ``(n_groups, G)`` (a free reshape), a tile is
+``(block_rows, G)``, one group per tile row, so the group reductions are row reductions. The
+per-group math is the reference's own (``coat_jax.core.quant.encode`` / ``decode`` and
+``coat_jax.core.adam``), traced here: kernel and reference cannot drift apart. On the GPU
+``approx_log`` computes ``log`` with ``lg2.approx.f32`` (one MUFU op, relative error < 2^-22).
+Layouts the kernel does not take (padded groups, a group size that is not a power of two) are
+refused by :func:`supported`; callers run the reference there. Pallas Triton backend;
+``interpret=True`` runs the same body on the CPU (with ``jnp.log``). Design history and
+measurements: docs/pallas-backends.md.
 """
 
 from __future__ import annotations
@@ -44,7 +37,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from coat_jax.quant import QuantizedArray, decode, encode
+from coat_jax.core import adam
+from coat_jax.core.adam import AdamCoefficients
+from coat_jax.core.quant import QuantizedArray, decode, encode
 from pallas_kernels import dispatch
 from pallas_kernels.tiling import pow2_divisor
 
@@ -69,10 +64,8 @@ class AdamStepTuning:
       approx_log: on the GPU take ``log`` from ``lg2.approx.f32``; interpret mode always uses
         ``jnp.log``.
 
-    The defaults come from ``bench/kernel_sweep.py`` on an H200 (4096 x 11008 fp32, jax 0.11.2,
-    2026-11-30; ``bench/results/kernel_sweep_adam_*_h200_2026-11-30.json``): 16 rows x 4 warps
-    is within 3% of the best of 16 tunings for both kernels (full update 2124 GB/s, best 2172;
-    moments 1474, best 1508) where the former 32 x 4 reached 1918 and 1173.
+    Defaults: within 3% of the best of 16 tunings for both kernels on an H200
+    (``bench/results/kernel_sweep_adam_*_h200_2026-11-30.json``).
     """
 
     block_rows: int = 16
@@ -127,18 +120,17 @@ def supported(mu, nu, tuning: AdamStepTuning = AdamStepTuning()) -> bool:
     )
 
 
-def moment_update(grad, m_state, v_state, hyper, *, mu_fmt, nu_fmt, expanded, log):
+def moment_update(grad, m_state, v_state, coeffs: AdamCoefficients, *, mu_fmt, nu_fmt, expanded,
+                  log):  # fmt: skip
     """The shared per-tile math: returns ``(u, (m codes, amax, k), (v codes, amax, k))``.
 
     ``grad`` is fp32 ``(rows, G)``; each state is ``(codes, amax, k code or None)`` with per-row
-    ``amax`` / ``k``; ``hyper`` = ``b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2`` scalars.
+    ``amax`` / ``k``; ``coeffs`` the step's :class:`~coat_jax.core.adam.AdamCoefficients`.
     """
-    b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2 = hyper
     m = decode(*m_state, mu_fmt, log=log)
     v = decode(*v_state, nu_fmt, log=log)
-    m = one_minus_b1 * grad + b1 * m
-    v = one_minus_b2 * (grad * grad) + b2 * v
-    u = (m * (1.0 / bc1)) / (jnp.sqrt(v * (1.0 / bc2) + eps_root) + eps)
+    m, v = adam.update_moments(grad, m, v, coeffs)
+    u = adam.direction(m, v, coeffs)
     return u, encode(m, mu_fmt, expanded, log=log), encode(v, nu_fmt, expanded, log=log)
 
 
@@ -201,7 +193,7 @@ def fp8_adam_moments(
     g: jax.Array,
     mu: QuantizedArray,
     nu: QuantizedArray,
-    hyper: jax.Array,
+    coeffs: AdamCoefficients,
     *,
     tuning: AdamStepTuning = AdamStepTuning(),
     interpret: bool = False,
@@ -211,8 +203,7 @@ def fp8_adam_moments(
     Args:
       g: gradient, the parameter's shape (any float dtype; ``u`` comes back in it).
       mu, nu: per-group FP8 moments laid out as ``scale_by_fp8_adam`` keeps them.
-      hyper: fp32 ``[b1, 1 - b1, b2, 1 - b2, eps, eps_root, 1 - b1^t, 1 - b2^t]`` (``1 - b``
-        computed by the caller, as the reference rounds it).
+      coeffs: the step's :class:`~coat_jax.core.adam.AdamCoefficients`.
       tuning: tile and launch knobs.
       interpret: run in Pallas interpret mode (any backend).
 
@@ -226,9 +217,8 @@ def fp8_adam_moments(
         raise ValueError("fp8_adam_moments: unsupported layout; check supported() first")
     dispatch.check_compiled(interpret, "pallas_kernels.adam_step")
     n, group, br = group_rows(mu, tuning)
-    hyper = jnp.asarray(hyper, jnp.float32).reshape(1, 8)
     outs = _call(
-        g.reshape(n, group), hyper, *moment_operands(mu, nu, n, group),
+        g.reshape(n, group), coeffs.vector().reshape(1, 8), *moment_operands(mu, nu, n, group),
         static=(mu.fmt, nu.fmt, mu.expanded, br, tuning, interpret),
     )  # fmt: skip
     new_mu, new_nu = rebuild(mu, outs[1:])
@@ -236,7 +226,7 @@ def fp8_adam_moments(
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def _call(g, hyper, *moments, static):
+def _call(g, coeffs, *moments, static):
     mu_fmt, nu_fmt, expanded, br, tuning, interpret = static
     n, group = g.shape
     log = log_fn(tuning, interpret)
@@ -245,10 +235,10 @@ def _call(g, hyper, *moments, static):
 
     def kernel(g_ref, h_ref, *refs):
         ins, outs = refs[:n_mom], refs[n_mom:]
-        hyper = [h_ref[0, i] for i in range(8)]
+        coeffs = AdamCoefficients.from_values(h_ref[0, i] for i in range(8))
         m_state, v_state = read_moments(ins, expanded)
         u, new_m, new_v = moment_update(
-            g_ref[...].astype(jnp.float32), m_state, v_state, hyper,
+            g_ref[...].astype(jnp.float32), m_state, v_state, coeffs,
             mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, log=log,
         )  # fmt: skip
         outs[0][...] = u.astype(outs[0].dtype)
@@ -263,4 +253,4 @@ def _call(g, hyper, *moments, static):
         out_shape=[jax.ShapeDtypeStruct((n, group), g.dtype), *shapes],
         compiler_params=compiler_params(tuning),
         interpret=interpret,
-    )(g, hyper, *moments)
+    )(g, coeffs, *moments)

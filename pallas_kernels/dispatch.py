@@ -1,4 +1,5 @@
-"""When compiled Pallas kernels may run: one rule for every kernel family and optimizer option.
+"""When compiled Pallas kernels may run: one rule for every kernel family and optimizer option,
+and where a per-tensor FP8 GEMM runs for an FP8 recipe's ``gemm`` (:func:`gemm_backend`).
 
 The kernels are written for, and tested on, NVIDIA Hopper (compute capability 9.x: H100,
 H200, H800, GH200). Compiled kernels run only when JAX's default backend is ``gpu`` and every
@@ -19,19 +20,19 @@ back to the reference inside each family's wrapper, without error, whatever the 
 
 from __future__ import annotations
 
-import os
-
 import jax
+
+from coat_jax.core.recipe import GEMM_BACKENDS
 
 __all__ = [
     "AUTO_USES_KERNEL",
     "GEMM_AUTO_USES_KERNEL",
-    "GEMM_BACKENDS",
     "GEMM_PALLAS_FASTER",
     "KERNEL_OPTIONS",
     "check_compiled",
     "gemm_backend",
     "hopper_gpu",
+    "multi_device_mesh",
     "resolve",
 ]
 
@@ -40,12 +41,10 @@ KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
 AUTO_USES_KERNEL: dict[str, bool] = {
     # The fused moment kernel (pallas_kernels/adam_step.py), H200, jax 0.11.2, 1.01B params
     # (bench/results/optimizer_h200_2026-11-30.json): 14.31 ms against the XLA reference's
-    # 16.45 ms (the first version took 31.5 ms); compiled tests pass there. Under a
-    # multi-device mesh "auto" takes the XLA path (the kernel is not shard_map-wrapped).
+    # 16.45 ms; compiled tests pass there.
     "adam_step": True,
-    # The full AdamW update (pallas_kernels/adam_update.py), H200, jax 0.11.2, 1.01B params
-    # (bench/results/optimizer_h200_2026-11-30.json): 9.37 ms against its XLA reference's
-    # 16.32 ms (and optax.adamw's 7.61 ms with fp32 moments); compiled tests pass there.
+    # The full AdamW update (pallas_kernels/adam_update.py), same run: 9.37 ms against its
+    # XLA reference's 16.32 ms; compiled tests pass there.
     "adam_update": True,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
@@ -108,19 +107,15 @@ def check_compiled(interpret: bool, who: str) -> None:
         )
 
 
-GEMM_BACKENDS = ("xla", "pallas", "auto")
-GEMM_ENV = "COAT_JAX_GEMM"
-
 GEMM_AUTO_USES_KERNEL = False
-"""Whether ``COAT_JAX_GEMM=auto`` picks the Pallas per-tensor FP8 GEMM
+"""Whether the ``"auto"`` GEMM backend picks the Pallas per-tensor FP8 GEMM
 (pallas_kernels/fp8_matmul.py) for shapes missing from :data:`GEMM_PALLAS_FASTER`: not yet
-measured against XLA's cuBLASLt FP8 on a GPU."""
+measured against XLA's cuBLASLt FP8 in a whole step."""
 
 GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {
     # H200, jax 0.11.2, bench/gemm.py (bench/results/gemm_h200_2026-11-30*.json), TFLOP/s of
     # the Pallas per-tensor kernel (default config) vs XLA's cuBLASLt FP8 on the faster of its
-    # two weight layouts, (N, K) (inside a train step XLA reaches that rate too): 1469 vs 1197,
-    # 1471 vs 1232, 1520 vs 1388, 1501 vs 1382.
+    # two weight layouts, (N, K): 1469 vs 1197, 1471 vs 1232, 1520 vs 1388, 1501 vs 1382.
     (8192, 4096, 4096): True,
     (8192, 4096, 11008): True,
     (8192, 11008, 4096): True,
@@ -131,32 +126,30 @@ faster than XLA's cuBLASLt FP8 on a Hopper GPU (``"auto"`` uses it there; shapes
 follow :data:`GEMM_AUTO_USES_KERNEL`). Fill from a dated bench/results/gemm_*.json."""
 
 
-def gemm_backend(shape: tuple[int, int, int] | None = None) -> str:
-    """``"xla"`` or ``"pallas"``: the backend of :func:`coat_jax.flow.fp8_gemm`, chosen at trace
-    time by the environment variable ``COAT_JAX_GEMM`` (default ``"xla"``):
+def gemm_backend(choice: str, shape: tuple[int, int, int] | None = None) -> str:
+    """``"xla"`` or ``"pallas"``: where a per-tensor FP8 GEMM of ``shape`` ``(M, K, N)`` runs
+    for the recipe's ``gemm`` ``choice`` (``coat_jax.core.recipe.Fp8Recipe.gemm``):
 
     * ``"xla"``: FP8 codes into ``lax.dot_general`` (XLA's cuBLASLt FP8 rewrite on a GPU).
     * ``"pallas"``: the Pallas wgmma kernel; a ``ValueError`` off a Hopper GPU.
-    * ``"auto"``: Pallas on Hopper where :data:`GEMM_PALLAS_FASTER` says so for ``shape``
-      ``(M, K, N)``, else XLA.
+    * ``"auto"``: Pallas on Hopper where :data:`GEMM_PALLAS_FASTER` says so, else XLA.
 
     Under a multi-device mesh (``jax.set_mesh``) the kernel does not run (it is not
     partitioned): ``"auto"`` gives XLA, ``"pallas"`` raises.
     """
-    choice = os.environ.get(GEMM_ENV, "xla").lower()
     if choice not in GEMM_BACKENDS:
-        raise ValueError(f"{GEMM_ENV}={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+        raise ValueError(f"gemm={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
     mesh = multi_device_mesh()
     if choice != "xla" and mesh is not None:  # the kernel is not partitioned
         if choice == "pallas":
             raise ValueError(
-                f"{GEMM_ENV}=pallas: the Pallas GEMM runs on one device, not under a "
+                f"gemm='pallas': the Pallas GEMM runs on one device, not under a "
                 f"{mesh.size}-device mesh; use 'auto' (XLA there) or 'xla'"
             )
         return "xla"
     if choice == "pallas":
         if not hopper_gpu():
-            raise ValueError(f"{GEMM_ENV}=pallas needs a Hopper GPU; use 'auto' or 'xla'")
+            raise ValueError("gemm='pallas' needs a Hopper GPU; use 'auto' or 'xla'")
         return "pallas"
     if choice == "auto" and hopper_gpu():
         faster = GEMM_PALLAS_FASTER.get(shape, GEMM_AUTO_USES_KERNEL)

@@ -42,18 +42,8 @@ bytes) and of the output; shapes that are multiples cost nothing. The fused epil
 Hopper GPU with jax >= 0.11 (Mosaic GPU, mixed E4M3/E5M2 ``wgmma``); the ``*_reference``
 functions are the specification and run anywhere.
 
-Tried and removed (H200, jax 0.11.2, 2026-11-30), so nobody re-tries them blindly:
-
-* block scaling with the promotion overlapped with the next step's ``wgmma`` (two fp32
-  accumulators in registers, ``wgmma_wait(1)``, ``delay_release=1``): correct (rel. err.
-  1.66e-3, as the plain path) but 138 TFLOP/s vs 990-1005 for the plain kernel on
-  8192x4096x4096 and 8192x4096x11008, 7x slower (register pressure / serialised waits).
-* the 1x16 epilogue storing the group amax row-major, ``(M, N/16)``, by one TMA copy of a
-  ``(tile_m, tile_n/16)`` shared-memory tile written as strided columns (to skip XLA's
-  transpose): does not lower on the GPU (Mosaic GPU layout inference: "We cannot apply swizzle
-  to non-contiguous refs"; it lowers to MLIR on CPU, so CPU tests do not catch it). Nor does a
-  register-assembled tile stored in one go (no swizzle for 8-wide fp32 rows under the WGMMA
-  layout).
+Options tried on the H200 and removed (two-accumulator promotion, row-major group maxima):
+docs/pallas-backends.md.
 """
 
 from __future__ import annotations
@@ -61,16 +51,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from coat_jax.formats import E4M3
-from coat_jax.quant import QuantizedArray, quantize
+from coat_jax.core import measure
+from coat_jax.core.formats import E4M3
+from coat_jax.core.quant import QuantizedArray, quantize
+from coat_jax.core.recipe import ACT_GROUP
 from pallas_kernels import dispatch, mgpu
 from pallas_kernels.mgpu import pl, plgpu
 
@@ -93,8 +83,8 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 BLOCK = 128
 """Block size of the block-scaled recipe: 1x128 activation tiles, 128x128 weight blocks."""
-GROUP = 16
-"""Group size of the fused quantize epilogue (1x16 along N)."""
+GROUP = ACT_GROUP
+"""Group size of the fused quantize epilogue (1x16 along N): the FP8 recipe's ``saved_group``."""
 VARIANTS = ("per_tensor", "block_scaled", "quantize_1x16")
 
 
@@ -551,10 +541,6 @@ AUTOTUNE_LOG: dict[tuple, list[dict]] = {}
 """Per autotuned key: each candidate's config, median ms or the error (for bench reports)."""
 
 
-def _autotune_enabled() -> bool:
-    return os.environ.get("COAT_JAX_GEMM_AUTOTUNE", "1") != "0"
-
-
 def _sample_inputs(variant, m, n, k, a_dtype, b_dtype):
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(a_dtype)
@@ -589,13 +575,7 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
         fn = functools.partial(_run, variant=variant, out_dtype=jnp.dtype(out_dtype),
                                config=cfg, shape=(m, n, k))  # fmt: skip
         try:
-            jax.block_until_ready(fn(*inputs))
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*inputs))
-                times.append((time.perf_counter() - t0) * 1e3)
-            ms = sorted(times)[len(times) // 2]
+            ms = measure.time_calls(fn, *inputs, iters=iters).median_ms
         except Exception as e:  # noqa: BLE001 - a config that fails to lower is skipped
             log.append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}"[:400]})  # fmt: skip
@@ -610,11 +590,11 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
     return _TUNED[key]
 
 
-def _config_for(variant, m, n, k, a, b, out_dtype, config) -> GemmConfig:
+def _config_for(variant, m, n, k, a, b, out_dtype, config, autotune_eager: bool) -> GemmConfig:
     if config is None:
         key = _tune_key(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         tracing = isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer)
-        if _autotune_enabled() and not tracing:
+        if autotune_eager and not tracing:
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         else:  # under jit: a config tuned eagerly before, else the default
             config = _TUNED.get(key, DEFAULT_CONFIG)
@@ -637,7 +617,7 @@ def _check_backend() -> None:
 
 
 def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, config: GemmConfig | None =
-               None) -> jax.Array:  # fmt: skip
+               None, autotune: bool = True) -> jax.Array:  # fmt: skip
     """``C = a_scale * b_scale * a @ b^T`` on FP8 tensor cores, fp32 accumulation.
 
     Args:
@@ -647,8 +627,9 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, config: GemmCo
       out_dtype: ``bfloat16`` or ``float32``.
       config: force a :class:`GemmConfig` (its pipeline shortened to fit shared memory, see
         :func:`fit_smem`); ``None``: autotuned on the first eager call per shape (under
-        ``jit``: that shape's tuned config, else the default; ``COAT_JAX_GEMM_AUTOTUNE=0``
-        takes the default everywhere).
+        ``jit``: that shape's tuned config, else the default).
+      autotune: ``False`` takes an already tuned config or the default, also on eager calls
+        (the FP8 recipe's ``gemm_autotune``).
 
     Returns:
       ``(M, N)`` in ``out_dtype``; equals :func:`fp8_matmul_reference` up to accumulation order.
@@ -664,14 +645,15 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, config: GemmCo
     out_dtype = _check_out_dtype(out_dtype)
     _check_backend()
     (m, k), n = a.shape, b.shape[0]
-    config = _config_for("per_tensor", m, n, k, a, b, out_dtype, config)
+    config = _config_for("per_tensor", m, n, k, a, b, out_dtype, config, autotune)
     s = _scalar(a_scale) * _scalar(b_scale)
     return _run(a, b, s, jnp.float32(0), variant="per_tensor", out_dtype=out_dtype,
                 config=config, shape=(m, n, k))  # fmt: skip
 
 
 def fp8_matmul_block_scaled(a, a_scales, b, b_scales, *, out_dtype=jnp.bfloat16,
-                            config: GemmConfig | None = None) -> jax.Array:  # fmt: skip
+                            config: GemmConfig | None = None,
+                            autotune: bool = True) -> jax.Array:  # fmt: skip
     """Block-scaled FP8 GEMM (DeepSeek-V3): fp32 promotion of every 128 of K.
 
     Args:
@@ -679,7 +661,7 @@ def fp8_matmul_block_scaled(a, a_scales, b, b_scales, *, out_dtype=jnp.bfloat16,
       a_scales: ``(M, ceil(K/128))`` fp32 multipliers of 1x128 tiles of ``a``.
       b: ``(N, K)`` FP8 codes, row-major (K-major weight).
       b_scales: ``(ceil(N/128), ceil(K/128))`` fp32 multipliers of 128x128 blocks of ``b``.
-      out_dtype, config: as :func:`fp8_matmul`.
+      out_dtype, config, autotune: as :func:`fp8_matmul`.
 
     Returns:
       ``(M, N)``, equal to :func:`fp8_matmul_block_scaled_reference` up to rounding.
@@ -689,13 +671,13 @@ def fp8_matmul_block_scaled(a, a_scales, b, b_scales, *, out_dtype=jnp.bfloat16,
     _check_block_scales(a_scales, b_scales, m, n, k)
     out_dtype = _check_out_dtype(out_dtype)
     _check_backend()
-    config = _config_for("block_scaled", m, n, k, a, b, out_dtype, config)
+    config = _config_for("block_scaled", m, n, k, a, b, out_dtype, config, autotune)
     return _run(a, b, a_scales, b_scales, variant="block_scaled", out_dtype=out_dtype,
                 config=config, shape=(m, n, k))  # fmt: skip
 
 
 def fp8_matmul_quantize_1x16(a, b, a_scale, b_scale, *, return_amax: bool = False,
-                             config: GemmConfig | None = None):  # fmt: skip
+                             config: GemmConfig | None = None, autotune: bool = True):  # fmt: skip
     """Per-tensor FP8 GEMM whose output is quantized to E4M3 in 1x16 groups in the kernel.
 
     Returns:
@@ -711,7 +693,7 @@ def fp8_matmul_quantize_1x16(a, b, a_scale, b_scale, *, return_amax: bool = Fals
     (m, k), n = a.shape, b.shape[0]
     if n % GROUP:
         return fp8_matmul_quantize_1x16_reference(a, b, a_scale, b_scale, return_amax=return_amax)
-    config = _config_for("quantize_1x16", m, n, k, a, b, jnp.float32, config)
+    config = _config_for("quantize_1x16", m, n, k, a, b, jnp.float32, config, autotune)
     s = _scalar(a_scale) * _scalar(b_scale)
     codes, amax = _run(a, b, s, jnp.float32(0), variant="quantize_1x16", out_dtype=jnp.float32,
                        config=config, shape=(m, n, k))  # fmt: skip
@@ -720,7 +702,7 @@ def fp8_matmul_quantize_1x16(a, b, a_scale, b_scale, *, return_amax: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------
-# General contraction for coat_jax.flow.fp8_gemm: bring both operands to K-major matrices.
+# General contraction for coat_jax.ops.flow.fp8_gemm: bring both operands to K-major matrices.
 
 
 def as_k_major(x: jax.Array, contract: int) -> tuple[jax.Array, tuple[int, ...]]:
@@ -736,10 +718,12 @@ def as_k_major(x: jax.Array, contract: int) -> tuple[jax.Array, tuple[int, ...]]
 
 
 def fp8_dot_general(a_codes, b_codes, scale, contract: tuple[int, int], out_dtype,
-                    config: GemmConfig | None = None) -> jax.Array:  # fmt: skip
+                    config: GemmConfig | None = None,
+                    autotune: bool = True) -> jax.Array:  # fmt: skip
     """``scale * sum_k a[..., k, ...] b[..., k, ...]`` (one contracted axis each, no batch
     axes) through :func:`fp8_matmul`; result axes: ``a``'s kept axes then ``b``'s."""
     a2, a_kept = as_k_major(a_codes, contract[0])
     b2, b_kept = as_k_major(b_codes, contract[1])
-    out = fp8_matmul(a2, b2, scale, jnp.float32(1.0), out_dtype=out_dtype, config=config)
+    out = fp8_matmul(a2, b2, scale, jnp.float32(1.0), out_dtype=out_dtype, config=config,
+                     autotune=autotune)
     return out.reshape(*a_kept, *b_kept)

@@ -2,8 +2,9 @@
 
 Pallas with the Triton backend (see docs/pallas-backends.md for why not Mosaic GPU for these
 memory-bound kernels): the same source runs on a Hopper GPU and, with ``interpret=True``, on
-the CPU. The specification is the jnp reference in :mod:`coat_jax.quant`; the kernels trace its
-own ``encode`` / ``decode`` on their tiles, so FP8 codes and scales are bitwise equal to it.
+the CPU. The specification is the jnp reference in :mod:`coat_jax.core.quant`; the kernels
+trace its own ``encode`` / ``decode`` on their tiles, so FP8 codes and scales are bitwise equal
+to it.
 
 * :func:`quantize_per_group`: one pass; each block of ``(block_rows, block_cols)`` elements
   is viewed as ``(block_rows, block_cols / g, g)``, reduced to the group maxima and scaled.
@@ -30,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from coat_jax.formats import Fp8Format, get_format
-from coat_jax.quant import QuantizedArray, decode, dequantize, encode, quantize
+from coat_jax.core.formats import Fp8Format, get_format
+from coat_jax.core.quant import QuantizedArray, decode, dequantize, encode, quantize
 from pallas_kernels import dispatch
 from pallas_kernels.tiling import block_shape
 

@@ -4,7 +4,7 @@ Triton kernel in :mod:`pallas_kernels.quantize`.
 ``quantize_per_group_mgpu(x, fmt, g)`` is the kernel twin of ``coat_jax.quantize(x, fmt,
 group_size=g)`` without range expansion: per group of ``g`` elements along the last axis
 ``amax = max |x|`` and ``codes = sat(x * (fmt.max / amax))`` (``amax == 0``: factor
-``fmt.max``), the math of :func:`coat_jax.quant.encode` op for op, so codes and ``amax`` are
+``fmt.max``), the math of :func:`coat_jax.core.quant.encode` op for op, so codes and ``amax`` are
 bitwise equal to the reference.
 
 Layout (docs/pallas-backends.md, "Mosaic GPU"): the input is viewed in HBM as ``(R C / g, g)``,
@@ -19,8 +19,8 @@ Shapes the kernel cannot take (a last axis that is not a multiple of ``g``, a gr
 is not a multiple of 16, a row count no block of >= 64 rows divides) fall back to the
 reference. Compiled only: Mosaic GPU's ``plgpu.load`` has no interpret rule, so off a Hopper GPU
 the function raises ``ValueError`` (use the reference or the Triton kernel's interpret mode).
-Measured on an H200 only in an earlier probe (~2.75 TB/s at g = 16, ~3.45 TB/s at g = 128);
-``bench/kernels.py`` times this module, and nothing selects it by default.
+``bench/kernels.py`` times this module (results: docs/pallas-backends.md); nothing selects it
+by default.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from coat_jax.formats import Fp8Format, get_format
-from coat_jax.quant import TINY_AMAX, QuantizedArray, quantize
+from coat_jax.core.formats import Fp8Format, get_format
+from coat_jax.core.quant import TINY_AMAX, QuantizedArray, quantize
 from pallas_kernels import dispatch, mgpu
 from pallas_kernels.mgpu import pl, plgpu
 from pallas_kernels.quantize import check_args
@@ -186,7 +186,7 @@ def quantize_per_group_mgpu(
 
     Args:
       x: floating-point array (fp32 or bf16 on the fast path), groups along the last axis.
-      fmt: ``"e4m3"`` / ``"e5m2"`` or an :class:`~coat_jax.formats.Fp8Format`.
+      fmt: ``"e4m3"`` / ``"e5m2"`` or an :class:`~coat_jax.core.formats.Fp8Format`.
       group_size: elements per group (a multiple of 16, at most 256, on the kernel path).
       tuning: block and pipeline knobs.
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from coat_jax import data
+from coat_jax.training import data
 
 
 def test_byte_tokenizer_roundtrip():

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coat_jax import expansion
-from coat_jax.formats import E4M3, E5M2
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core import expansion
+from coat_jax.core.formats import E4M3, E5M2
+from coat_jax.core.quant import dequantize, quantize
 
 FORMATS = [E4M3, E5M2]
 

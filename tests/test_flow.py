@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coat_jax import flow, nn, residuals
-from coat_jax.policy import POLICIES, get_policy
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core.quant import dequantize, quantize
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.models import nn
+from coat_jax.models.policy import POLICIES, get_policy
+from coat_jax.ops import flow, plain
+from coat_jax.training import residuals
 
 # Stated tolerances (relative Frobenius error against fp32 math on the same inputs):
 FWD_TOL = 0.08  # two E4M3 operands: <= 2^-4 per element each, ~5% RMS on a product
@@ -82,7 +85,7 @@ def test_fp8_norm_project_vjp(kw):
     x = activations(k1, (2, 24, 64), **kw)
     scale = 1 + 0.2 * jax.random.normal(k3, (64,))
     w1, w2 = weights(k2, (64, 48), (64, 80))
-    norm = lambda x, s: flow._rmsnorm_math(x, s, 1e-6)
+    norm = lambda x, s: plain.rmsnorm_fp32(x, s, 1e-6)
     check_grads(
         lambda x, s, a, b: flow.fp8_norm_project(x, s, (a, b), 1e-6),
         lambda x, s, a, b: (norm(x, s) @ a, norm(x, s) @ b),
@@ -119,17 +122,17 @@ def test_reference_ops_match_autodiff_of_their_math():
     k1, k2, k3 = jax.random.split(fresh_key(), 3)
     x, up = jax.random.normal(k1, (3, 40)), jax.random.normal(k2, (3, 40))
     scale = 1 + jax.random.normal(k3, (40,))
-    check_grads(lambda x, s: flow.rmsnorm(x, s, 1e-6), lambda x, s: flow._rmsnorm_math(x, s, 1e-6),
+    check_grads(lambda x, s: plain.rmsnorm(x, s, 1e-6), lambda x, s: plain.rmsnorm_fp32(x, s, 1e-6),
                 [x, scale], 1e-6, 1e-5)  # fmt: skip
-    check_grads(flow.swiglu, flow._swiglu_math, [x, up], 1e-6, 1e-5)
+    check_grads(plain.swiglu, plain.swiglu_fp32, [x, up], 1e-6, 1e-5)
 
 
 def test_rope_vjp_is_exact_and_norm_preserving():
     x = jax.random.normal(fresh_key(), (2, 9, 3, 16))
     pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
-    y = flow.rope(x, pos, 1e4)
+    y = plain.rope(x, pos, 1e4)
     np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
-    check_grads(lambda x: flow.rope(x, pos, 1e4), lambda x: flow._rope_math(x, pos, 1e4), [x],
+    check_grads(lambda x: plain.rope(x, pos, 1e4), lambda x: plain._rope_math(x, pos, 1e4), [x],
                 1e-6, 1e-5)  # fmt: skip
 
 
@@ -140,7 +143,7 @@ def test_reference_attention_matches_jax_nn(kv_heads):
     k = jax.random.normal(k2, (2, 12, kv_heads, 16))
     v = jax.random.normal(k3, (2, 12, kv_heads, 16))
     expected = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    check_grads(lambda q, k, v: flow.attention(q, k, v, "reference"), expected, [q, k, v],
+    check_grads(lambda q, k, v: plain.attention(q, k, v, "reference"), expected, [q, k, v],
                 1e-5, 1e-5)  # fmt: skip
 
 
@@ -184,6 +187,27 @@ def test_coat_residuals_are_fp8():
     assert any(r.dtype == jnp.float8_e4m3fn for r in wide)
 
 
+def test_the_recipe_decides_formats_and_groups():
+    """A non-default recipe (E4M3 gradient operands, 1x32 saved groups): no E5M2 anywhere in
+    the backward, saved groups of 32, and gradients still as close to the fp32 reference."""
+    recipe = Fp8Recipe(grad_format="e4m3", saved_group=32)
+    k1, k2 = jax.random.split(fresh_key())
+    x = activations(k1, (2, 8, 64))
+    (w,) = weights(k2, (64, 48))
+    loss = lambda r: lambda x, w: flow.fp8_norm_project(x, jnp.ones(64), (w,), 1e-6, r)[0].sum()
+    jaxpr = lambda r: str(jax.make_jaxpr(jax.grad(loss(r), (0, 1)))(x, w))
+    assert "f8_e5m2" in jaxpr(Fp8Recipe()) and "f8_e5m2" not in jaxpr(recipe)
+    _, vjp = jax.vjp(lambda x: flow.fp8_norm_project(x, jnp.ones(64), (w,), 1e-6, recipe), x)
+    groups = {leaf.shape[-1] for leaf in jax.tree.leaves(vjp) if leaf.dtype == jnp.float8_e4m3fn
+              and leaf.ndim == 4}  # fmt: skip
+    assert groups == {32}
+    norm = lambda x: plain.rmsnorm_fp32(x, jnp.ones(64), 1e-6)
+    check_grads(lambda x, w: flow.fp8_norm_project(x, jnp.ones(64), (w,), 1e-6, recipe),
+                lambda x, w: (norm(x) @ w,), [x, w])  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of the FP8 group size 32"):
+        flow.fp8_norm_project(jnp.ones((2, 48)), jnp.ones(48), (jnp.ones((48, 4)),), 1e-6, recipe)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -194,7 +218,7 @@ def test_coat_residuals_are_fp8():
         (lambda: flow.fp8_swiglu_project(jnp.ones((2, 16)), jnp.ones((2, 32)), jnp.ones((16, 4))),
          "differ"),
         (lambda: get_policy("fp4"), "unknown precision policy"),
-        (lambda: flow.attention(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 2, 4)),
+        (lambda: plain.attention(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 2, 4)),
                                 jnp.ones((1, 2, 2, 4))), "not a multiple"),
     ],
 )  # fmt: skip

@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from coat_jax.formats import E4M3, E5M2, get_format, saturating_cast
+from coat_jax.core.formats import E4M3, E5M2, get_format, saturating_cast
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coat_jax import flow, nn
-from coat_jax.policy import get_policy
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core.quant import dequantize, quantize
+from coat_jax.models import nn
+from coat_jax.models.policy import get_policy
+from coat_jax.ops import flow
 
 pytestmark = pytest.mark.gpu
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import sharding
 from coat_jax.models import hf_llama
+from coat_jax.ops import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -262,8 +262,8 @@ def test_finetune_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    from coat_jax.checkpoint import Checkpointer
     from coat_jax.tools import export_hf
+    from coat_jax.training.checkpoint import Checkpointer
 
     pytest.importorskip("tokenizers")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -312,8 +312,8 @@ def test_finetune_end_to_end(tmp_path):
     assert rel_err(ours(jnp.asarray(tokens), compute_dtype=jnp.float32), ref) < 1e-4
 
     # A coat-jax run is a valid init_from too: same model, params from its latest checkpoint.
-    from coat_jax import finetune
-    from coat_jax.configs import base_config
+    from coat_jax.training import finetune
+    from coat_jax.training.configs import base_config
 
     c = base_config()
     c.init_from = str(run)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import coat_jax
-from coat_jax.quant import QuantizedArray
+from coat_jax.core.quant import QuantizedArray
 
 
 def make_params(seed=0, dtype=jnp.float32):

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core import adam
+from coat_jax.core.quant import dequantize, quantize
 from pallas_kernels import adam_step, dispatch
 
 B1, B2, EPS, EPS_ROOT, STEP = 0.9, 0.95, 1e-8, 0.0, 7
@@ -48,8 +49,8 @@ def modes():
 def test_kernel_matches_reference(shape, expand, mu_fmt, nu_fmt, interpret):
     g, mu, nu = fresh_state(shape, expand, mu_fmt, nu_fmt)
     assert adam_step.supported(mu, nu)
-    hyper = jnp.array([B1, 1 - B1, B2, 1 - B2, EPS, EPS_ROOT, 1 - B1**STEP, 1 - B2**STEP])
-    u, new_mu, new_nu = adam_step.fp8_adam_moments(g, mu, nu, hyper, interpret=interpret)
+    coeffs = adam.coefficients(B1, B2, EPS, EPS_ROOT, STEP)
+    u, new_mu, new_nu = adam_step.fp8_adam_moments(g, mu, nu, coeffs, interpret=interpret)
     u_ref, mu_ref, nu_ref = reference(g, mu, nu)
     np.testing.assert_allclose(u, u_ref, rtol=1e-4, atol=1e-6)
     for got, want in ((new_mu, mu_ref), (new_nu, nu_ref)):
@@ -86,5 +87,5 @@ def test_unsupported_layouts_are_reported():
     g, mu, nu = fresh_state((4, 130), True, group=128)  # balanced groups of 65
     assert not adam_step.supported(mu, nu)
     with pytest.raises(ValueError, match="unsupported layout"):
-        adam_step.fp8_adam_moments(g, mu, nu, jnp.zeros(6), interpret=True)
+        adam_step.fp8_adam_moments(g, mu, nu, adam.coefficients(B1, B2, EPS, 0, 1), interpret=True)
     assert not adam_step.supported(jnp.zeros((4, 128)), nu)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import coat_jax
+from coat_jax.ops import fused_update
 from pallas_kernels import adam_step, adam_update, dispatch
 
 B1, B2, EPS, WD, LR = 0.9, 0.95, 1e-8, 0.1, 1e-2
@@ -43,7 +44,7 @@ def chain_step(adam, params, grads, state, lr=LR):
 
 def fused_step(kernels, params, grads, state, lr=LR, clip=1.0):
     return jax.jit(
-        lambda p, g, s: adam_update.fp8_adamw_update(
+        lambda p, g, s: fused_update.fp8_adamw_update(
             p,
             g,
             s,
@@ -104,9 +105,7 @@ KERNEL_MODES = ["interpret"] + (["pallas"] if dispatch.hopper_gpu() else [])
 def test_kernel_equals_optax_chain(grad_dtype, expansion, nu_format, kernels):
     params, grads, state, adam = fresh(grad_dtype, expansion=expansion, nu_format=nu_format)
     # "w" and "deep" take the kernel; "ragged" (groups of 65) and "scale" (fp32 moments) fall back
-    takes = lambda k: adam_update._kernel_takes(
-        params[k], grads[k], state.mu[k], state.nu[k], adam_update.AdamStepTuning()
-    )
+    takes = lambda k: adam_update.kernel_takes(params[k], grads[k], state.mu[k], state.nu[k])
     assert takes("w") and takes("deep") and not takes("ragged") and not takes("scale")
     want_p, want_s = jax.jit(lambda p, g, s: chain_step(adam, p, g, s))(params, grads, state)
     got_p, got_s = fused_step(kernels, params, grads, state)
@@ -153,10 +152,10 @@ def test_non_finite_gradients_like_the_chain():
 def test_mask_must_be_static_and_wrapper_is_exported():
     params, grads, state, _ = fresh(jnp.float32, steps=0)
     with pytest.raises(TypeError, match="Python bools"):
-        adam_update.fp8_adamw_update(
+        fused_update.fp8_adamw_update(
             params, grads, state, LR, mask=jax.tree.map(lambda _: jnp.array(True), MASK)
         )
-    got, _ = coat_jax.optim.fused_fp8_adamw_update(params, grads, state, LR, kernels="reference")
+    got, _ = coat_jax.fused_fp8_adamw_update(params, grads, state, LR, kernels="reference")
     assert jax.tree.structure(got) == jax.tree.structure(params)
 
 
@@ -165,7 +164,7 @@ def test_kernels_lower_to_triton_for_cuda(approx_log):
     """Without a GPU: both optimizer kernels (inline PTX log included) lower to Triton IR."""
     params, grads, state, _ = fresh(jnp.float32, steps=0)
     p, g, mu, nu = params["w"], grads["w"], state.mu["w"], state.nu["w"]
-    tuning = adam_update.AdamStepTuning(approx_log=approx_log)
+    tuning = adam_step.AdamStepTuning(approx_log=approx_log)
     n, group, br = adam_step.group_rows(mu, tuning)
     moments = adam_step.moment_operands(mu, nu, n, group)
     flat = lambda a: a.reshape(n, group)

@@ -110,13 +110,26 @@ def test_auto_picks_a_kernel_only_where_a_gpu_measurement_shows_it_faster():
 
 
 def test_optimizer_routes_through_the_rule(devices, monkeypatch):
+    """``scale_by_fp8_adam(kernels="auto")`` runs the moment kernel exactly where the rule
+    says (the kernel is replaced by a marker here: no GPU is needed to see the choice)."""
+    from pallas_kernels import adam_step
+
+    ran = []
+    marker = lambda g, mu, nu, c, **kw: ran.append(g.shape) or (g, mu, nu)
+    monkeypatch.setattr(adam_step, "fp8_adam_moments", marker)
+    params = {"w": jnp.ones((4, 256))}
+
+    def update():
+        opt = coat_jax.scale_by_fp8_adam(min_size=0, kernels="auto")
+        jax.eval_shape(opt.update, params, opt.init(params))
+
     devices("gpu", [H200])
     monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", True)
-    from coat_jax import optim
-
-    assert optim._resolve_kernels("auto") is not None
+    update()
+    assert ran == [(4, 256)]
     monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", False)
-    assert optim._resolve_kernels("auto") is None
+    update()
+    assert ran == [(4, 256)]
     devices("cpu", [FakeDevice("cpu", None, "cpu")])
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         coat_jax.fp8_adamw(1e-3, kernels="pallas")

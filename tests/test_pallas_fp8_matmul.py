@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core.quant import dequantize, quantize
 from pallas_kernels import fp8_matmul as fm
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -279,7 +279,7 @@ def _assert_every_tile_close(got, want, bound, tile=128):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_per_tensor(m, k, n, da, db, out_dtype):
     a, b = fp8((m, k), da), fp8((n, k), db)
-    got = fm.fp8_matmul(a, b, 0.5, 0.25, out_dtype=out_dtype)
+    got = fm.fp8_matmul(a, b, 0.5, 0.25, out_dtype=out_dtype, autotune=False)
     assert got.shape == (m, n) and got.dtype == out_dtype
     want = fm.fp8_matmul_reference(a, b, 0.5, 0.25, out_dtype=jnp.float32)
     _assert_every_tile_close(got, want, 1e-2)
@@ -311,7 +311,7 @@ def block_scaled_inputs(m, k, n):
 @pytest.mark.parametrize(("m", "k", "n"), GPU_SHAPES)
 def test_gpu_block_scaled(m, k, n):
     a, sa, b, sb = block_scaled_inputs(m, k, n)
-    got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32)
+    got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32, autotune=False)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
     _assert_every_tile_close(got, want, 1e-3)
 
@@ -320,7 +320,7 @@ def test_gpu_block_scaled(m, k, n):
 @pytest.mark.parametrize(("m", "k", "n"), [s for s in GPU_SHAPES if s[2] % 16 == 0])
 def test_gpu_quantize_1x16(m, k, n):
     a, b = fp8((m, k)), fp8((n, k), E5)
-    q, amax = fm.fp8_matmul_quantize_1x16(a, b, 0.5, 0.25, return_amax=True)
+    q, amax = fm.fp8_matmul_quantize_1x16(a, b, 0.5, 0.25, return_amax=True, autotune=False)
     c = fm.fp8_matmul_reference(a, b, 0.5, 0.25, out_dtype=jnp.float32)
     want = quantize(c, "e4m3", group_size=16)
     assert q.data.shape == want.data.shape and q.amax.shape == want.amax.shape
@@ -334,20 +334,16 @@ def test_gpu_quantize_1x16(m, k, n):
     _assert_every_tile_close(dequantize(q), c, 0.04)
 
 
-def test_gemm_backend_switch(monkeypatch):
+def test_gemm_backend_follows_the_recipes_choice():
     from pallas_kernels import dispatch
 
-    monkeypatch.delenv(dispatch.GEMM_ENV, raising=False)
-    assert dispatch.gemm_backend((8, 8, 8)) == "xla"
-    monkeypatch.setenv(dispatch.GEMM_ENV, "cublas")
+    assert dispatch.gemm_backend("xla", (8, 8, 8)) == "xla"
     with pytest.raises(ValueError, match="expected one of"):
-        dispatch.gemm_backend()
+        dispatch.gemm_backend("cublas")
     if not dispatch.hopper_gpu():
-        monkeypatch.setenv(dispatch.GEMM_ENV, "auto")
-        assert dispatch.gemm_backend((8192, 4096, 4096)) == "xla"
-        monkeypatch.setenv(dispatch.GEMM_ENV, "pallas")
+        assert dispatch.gemm_backend("auto", (8192, 4096, 4096)) == "xla"
         with pytest.raises(ValueError, match="Hopper"):
-            dispatch.gemm_backend()
+            dispatch.gemm_backend("pallas")
 
 
 def test_gemm_backend_under_a_mesh(monkeypatch):
@@ -357,32 +353,31 @@ def test_gemm_backend_under_a_mesh(monkeypatch):
 
     monkeypatch.setattr(dispatch, "hopper_gpu", lambda devices=None: True)
     shape = next(iter(dispatch.GEMM_PALLAS_FASTER))
-    monkeypatch.setenv(dispatch.GEMM_ENV, "auto")
-    assert dispatch.gemm_backend(shape) == "pallas"
+    assert dispatch.gemm_backend("auto", shape) == "pallas"
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
-        assert dispatch.gemm_backend(shape) == "xla"
-        monkeypatch.setenv(dispatch.GEMM_ENV, "pallas")
+        assert dispatch.gemm_backend("auto", shape) == "xla"
         with pytest.raises(ValueError, match="2-device mesh"):
-            dispatch.gemm_backend(shape)
-    assert dispatch.gemm_backend(shape) == "pallas"
+            dispatch.gemm_backend("pallas", shape)
+    assert dispatch.gemm_backend("pallas", shape) == "pallas"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("contract", [(-1, 0), (-1, 1), (0, 0)])
-def test_gpu_flow_gemm_pallas_matches_xla(monkeypatch, contract):
-    """coat_jax.flow.fp8_gemm with COAT_JAX_GEMM=pallas equals the XLA path (all 3 layouts)."""
-    from coat_jax.flow import fp8_gemm
-    from coat_jax.quant import QuantizedArray
+def test_gpu_flow_gemm_pallas_matches_xla(contract):
+    """coat_jax.ops.flow.fp8_gemm with the recipe's gemm="pallas" equals the XLA path (all 3
+    layouts)."""
+    from coat_jax.core.quant import QuantizedArray
+    from coat_jax.core.recipe import Fp8Recipe
+    from coat_jax.ops.flow import fp8_gemm
 
     shapes = {(-1, 0): ((2, 300, 256), (256, 384)), (-1, 1): ((600, 384), (256, 384)),
               (0, 0): ((600, 256), (600, 384))}  # fmt: skip
     sa, sb = shapes[contract]
     a = QuantizedArray(fp8(sa), jnp.float32(3.0))
     b = QuantizedArray(fp8(sb, E5), jnp.float32(100.0))
-    monkeypatch.setenv("COAT_JAX_GEMM", "xla")
-    want = fp8_gemm(a, b, contract, jnp.float32)
-    monkeypatch.setenv("COAT_JAX_GEMM", "pallas")
-    got = jax.jit(lambda a, b: fp8_gemm(a, b, contract, jnp.float32))(a, b)
+    want = fp8_gemm(a, b, contract, jnp.float32, Fp8Recipe(gemm="xla"))
+    pallas = Fp8Recipe(gemm="pallas", gemm_autotune=False)
+    got = jax.jit(lambda a, b: fp8_gemm(a, b, contract, jnp.float32, pallas))(a, b)
     assert got.shape == want.shape
     assert rel_fro(got, want) < 1e-2  # cuBLASLt vs wgmma: both FP8 tensor-core accumulation
 
@@ -392,14 +387,13 @@ def test_no_autotuning_while_tracing(monkeypatch):
     itself (timing on the GPU) runs only on eager calls."""
     calls = []
     monkeypatch.setattr(fm, "autotune", lambda *a, **k: calls.append(a) or fm.DEFAULT_CONFIG)
-    monkeypatch.setenv("COAT_JAX_GEMM_AUTOTUNE", "1")
     a, b = jnp.zeros((256, 128), E4), jnp.zeros((128, 128), E4)
     tuned = fm.GemmConfig(128, 128, 128, 2)
     key = ("per_tensor", 256, 128, 128, jnp.dtype(E4), jnp.dtype(E4), jnp.dtype(jnp.bfloat16))
     seen = []
 
     def traced(a, b):
-        seen.append(fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None))
+        seen.append(fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None, True))
         return a
 
     jax.jit(traced)(a, b)
@@ -407,5 +401,7 @@ def test_no_autotuning_while_tracing(monkeypatch):
     jax.jit(lambda a, b: traced(a, b)).lower(a, b)  # a new function: traced again
     assert not calls, calls
     assert seen == [fm.DEFAULT_CONFIG, tuned], seen
-    fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None)
+    fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None, False)
+    assert not calls  # autotune=False (the recipe's gemm_autotune): the tuned or default config
+    fm._config_for("per_tensor", 256, 128, 128, a, b, jnp.bfloat16, None, True)
     assert len(calls) == 1

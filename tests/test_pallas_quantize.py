@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax.formats import get_format
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core.formats import get_format
+from coat_jax.core.quant import dequantize, quantize
 from pallas_kernels import dispatch
 from pallas_kernels import quantize as kq
 

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from coat_jax import configs, data, parallel
+from coat_jax.training import configs, data, parallel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ["--config.steps=10", "--config.log_interval=5", "--config.checkpoint_interval=5",

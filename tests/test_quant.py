@@ -9,9 +9,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from coat_jax import expansion, quant
-from coat_jax.formats import E4M3, E5M2, get_format
-from coat_jax.quant import QuantizedArray, dequantize, group_layout, quantize, to_groups
+from coat_jax.core import expansion, quant
+from coat_jax.core.formats import E4M3, E5M2, get_format
+from coat_jax.core.quant import QuantizedArray, dequantize, group_layout, quantize, to_groups
 
 
 def random_tensor(seed, shape, log_sigma=2.0, zero_frac=0.1):

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from coat_jax import sharding
+from coat_jax.ops import sharding
 
 SCRIPT = textwrap.dedent(
     """
@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     import coat_jax
-    from coat_jax import sharding
+    from coat_jax.ops import sharding
     from coat_jax.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=512)
@@ -77,9 +77,9 @@ FUSED_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     import coat_jax
-    from coat_jax import sharding
+    from coat_jax.ops import sharding
     from coat_jax.models.llama import Llama, LlamaConfig
-    from pallas_kernels import adam_update
+    from coat_jax.ops import fused_update
 
     cfg = LlamaConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=512)
     graph, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
@@ -87,8 +87,8 @@ FUSED_SCRIPT = textwrap.dedent(
     grads = jax.tree.map(lambda x: jnp.sin(x * 7.0) * 1e-2, params)
 
     def update(p, g, s, **kw):
-        return adam_update.fp8_adamw_update(p, g, s, 1e-3, b1=0.9, b2=0.95, weight_decay=0.1,
-                                            clip_scale=0.5, **kw)
+        return fused_update.fp8_adamw_update(p, g, s, 1e-3, b1=0.9, b2=0.95, weight_decay=0.1,
+                                             clip_scale=0.5, **kw)
 
     # from a state with nonzero moments: one reference step first
     params, state = jax.jit(lambda p, g, s: update(p, g, s, kernels="reference"))(
@@ -96,8 +96,8 @@ FUSED_SCRIPT = textwrap.dedent(
     want_p, want_s = jax.jit(lambda p, g, s: update(p, g, s, kernels="interpret"))(
         params, grads, state)
     sharded = []
-    kernel = adam_update._leaf_sharded
-    adam_update._leaf_sharded = lambda *a, **k: sharded.append(a[0].shape) or kernel(*a, **k)
+    kernel = fused_update._leaf_sharded
+    fused_update._leaf_sharded = lambda *a, **k: sharded.append(a[0].shape) or kernel(*a, **k)
 
     def sharded_step(shape, params, state):  # the update jitted on a (data, fsdp, tensor) mesh
         sharded.clear()
@@ -194,19 +194,15 @@ FSDP_GATHER_SCRIPT = textwrap.dedent(
         "--xla_force_host_platform_device_count=2 --xla_dump_to={dump} "
         "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
-    sys.path.insert(0, {root!r})
-    import jax, jax.numpy as jnp
-    import train
-    from coat_jax import configs
+    import jax
+    from coat_jax.training import configs, planner
+    from coat_jax.training.run import assemble
 
     config = configs.load_file(os.path.join({root!r}, "configs", "llama_tiny.py"), dict(
         precision="coat", **{{"mesh.data": 1, "mesh.fsdp": 2}}, batch_size=2))
-    _, model, graph, params, _, optimizer, schedule, placement = train.build(config)
-    with jax.set_mesh(placement.mesh):
-        step = train.make_step(config, graph, optimizer, schedule, placement)
-        state = jax.eval_shape(optimizer.init, params)
-        batch = jax.ShapeDtypeStruct((1, 2, config.seq_len + 1), jnp.int32)
-        step.lower(params, state, batch).compile()
+    run = assemble(config)  # the trainer's own step
+    planner.compiled_total(run, 2)
+    model = run.model
     d, f, kv = model.dim, model.ffn_dim, model.kv_heads * model.head_dim
     print("SHAPES", [(d, d), (d, kv), (d, f), (f, d)])
     """

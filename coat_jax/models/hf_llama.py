@@ -26,7 +26,7 @@ Weight mapping (HF ``nn.Linear`` weights are ``(out, in)``; ours are ``(in, out)
     lm_head.weight                       (V, d)          lm_head            (d, V)     .T
                                                          (absent when tied: embed.T)
 
-No q/k permutation is needed: :func:`coat_jax.flow.rope` rotates the two halves of each head
+No q/k permutation is needed: :func:`coat_jax.ops.plain.rope` rotates the two halves of each head
 (HF's ``rotate_half``), the layout HF's Llama checkpoints are stored in. HF's
 ``rotary_emb.inv_freq`` buffers in old checkpoints are ignored (recomputed from the config).
 
@@ -340,8 +340,8 @@ def load_params(
         Its shapes must match the folder's tensors.
       param_dtype: dtype of the params (fp32 master weights by default).
       shardings: ``None`` (the default device) or a tree like the params with a
-        ``jax.sharding.Sharding`` per param (e.g. :func:`coat_jax.sharding.shardings` of
-        :func:`coat_jax.sharding.param_specs`); each device then reads only its shard.
+        ``jax.sharding.Sharding`` per param (e.g. :func:`coat_jax.ops.sharding.shardings` of
+        :func:`coat_jax.ops.sharding.param_specs`); each device then reads only its shard.
 
     Raises:
       FileNotFoundError, ValueError: naming the file and key, before any tensor is read.

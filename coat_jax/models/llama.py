@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from coat_jax import flow
-from coat_jax.nn import Block
-from coat_jax.policy import get_policy
-from coat_jax.sharding import constrain
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.models.nn import Block
+from coat_jax.models.policy import get_policy
+from coat_jax.ops import plain
+from coat_jax.ops.sharding import constrain
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "loss_fn"]
 
@@ -31,12 +32,13 @@ class LlamaConfig:
       ffn_dim: SwiGLU MLP width.
       rope_theta: RoPE base.
       rope_scaling: ``"none"``, ``"linear"`` or ``"llama3"`` (see
-        :class:`~coat_jax.flow.RopeScaling`), with ``rope_factor``, ``rope_low_freq_factor``,
+        :class:`~coat_jax.ops.plain.RopeScaling`), with ``rope_factor``, ``rope_low_freq_factor``,
         ``rope_high_freq_factor`` and ``rope_original_max_len`` (Hugging Face's
         ``original_max_position_embeddings``); the last three matter for ``"llama3"`` only.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix as the LM head.
       precision: ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
+      fp8: the FP8 recipe of the FP8 precisions (formats, group size, GEMM backend).
     """
 
     vocab_size: int = 32000
@@ -54,6 +56,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     precision: str = "coat"
+    fp8: Fp8Recipe = Fp8Recipe()
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
@@ -73,12 +76,14 @@ class LlamaConfig:
             )
         self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
+        if not isinstance(self.fp8, Fp8Recipe):
+            raise ValueError(f"LlamaConfig.fp8 must be an Fp8Recipe, got {self.fp8!r}")
         if self.precision == "coat":
             for name in ("dim", "ffn_dim"):
-                if getattr(self, name) % flow.ACT_GROUP:
+                if getattr(self, name) % self.fp8.saved_group:
                     raise ValueError(
                         f"LlamaConfig.{name}={getattr(self, name)} must be a multiple of "
-                        f"{flow.ACT_GROUP} (the FP8 group size) for precision='coat'"
+                        f"{self.fp8.saved_group} (the FP8 group size) for precision='coat'"
                     )
 
     @property
@@ -89,12 +94,16 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def rope(self) -> flow.RopeScaling | None:
+    def policy(self):
+        """The precision policy (:mod:`coat_jax.models.policy`) with this config's recipe."""
+        return get_policy(self.precision, self.fp8)
+
+    def rope(self) -> plain.RopeScaling | None:
         """The RoPE frequency scaling, ``None`` for plain RoPE."""
         if self.rope_scaling == "none":
             return None
         try:
-            return flow.RopeScaling(
+            return plain.RopeScaling(
                 self.rope_scaling,
                 float(self.rope_factor),
                 float(self.rope_low_freq_factor),
@@ -140,7 +149,7 @@ class Llama(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        policy = get_policy(config.precision)
+        policy = config.policy()
         self.embed = nnx.Param(
             jax.random.normal(rngs.params(), (config.vocab_size, config.dim), param_dtype) * 0.02,
             logical_axes=("vocab", "embed"),
@@ -171,7 +180,7 @@ class Llama(nnx.Module):
         x = constrain(table[tokens].astype(compute_dtype), hidden)
         for block in self.blocks:
             x = constrain(block(x, positions), hidden)
-        x = flow.rmsnorm(x, self.final_norm[...], self.config.norm_eps)
+        x = plain.rmsnorm(x, self.final_norm[...], self.config.norm_eps)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", None, "vocab"))
@@ -204,7 +213,7 @@ def init_params(
     this compiles a one-layer model and a block. Same distributions as
     ``Llama(config, rngs=nnx.Rngs(seed))``, not the same draws."""
     graph, abstract = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
-    policy = get_policy(config.precision)
+    policy = config.policy()
     stem_config = dataclasses.replace(config, n_layers=1)  # its block is dropped
 
     def make_stem(key):

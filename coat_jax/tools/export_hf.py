@@ -22,10 +22,10 @@ import sys
 import ml_collections
 from flax import nnx
 
-from coat_jax import configs
-from coat_jax.checkpoint import Checkpointer
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import Llama
+from coat_jax.training import configs
+from coat_jax.training.checkpoint import Checkpointer
 
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> list:

@@ -92,7 +92,7 @@ class HFTokenizer:
 
 def load_tokenizer(path: str | None):
     """``ByteTokenizer()`` for ``None`` / ``"bytes"`` / ``"auto"`` (config default: what
-    :func:`coat_jax.finetune.resolve_init_from` leaves when there is no model folder's
+    :func:`coat_jax.training.finetune.resolve_init_from` leaves when there is no model folder's
     tokenizer), else the ``tokenizer.json`` at ``path`` (or in the folder ``path``)."""
     if path in (None, "", "bytes", "auto"):
         return ByteTokenizer()

@@ -1,6 +1,6 @@
 """Meshes, logical axis rules, and partition specs for parameters AND the FP8 optimizer state.
 
-Parameters carry logical axis names (``coat_jax.nn``: metadata ``logical_axes``); one rule
+Parameters carry logical axis names (``coat_jax.models.nn``: metadata ``logical_axes``); one rule
 table maps them to mesh axes ``("data", "fsdp", "tensor")``. The FP8 optimizer state keeps each
 parameter's leading shape with groups along the last axis, so its specs follow from the
 parameter's: codes ``(*lead, n_groups, size)`` get ``P(*lead_spec, last_spec, None)`` and the
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from coat_jax.quant import QuantizedArray
+from coat_jax.core.quant import QuantizedArray
 
 __all__ = [
     "MESH_AXES",

@@ -11,7 +11,7 @@ Granularities:
   ``group_size=128`` gives 2 groups of 65, not 2 of 128).
 
 Plain scaling maps a group to :math:`q = x \cdot q_{max} / a_{max}` and back with
-:math:`x = q \cdot a_{max} / q_{max}`; with dynamic range expansion (:mod:`coat_jax.expansion`)
+:math:`x = q \cdot a_{max} / q_{max}`; with dynamic range expansion (:mod:`coat_jax.core.expansion`)
 :math:`q = \mathrm{sign}(x)\, q_{max} (|x| / a_{max})^k` and ``k`` is stored per group.
 
 Error bound (tested): in the scaled domain the error is the format's rounding error,
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coat_jax import expansion
-from coat_jax.formats import Fp8Format, get_format, saturating_cast
+from coat_jax.core import expansion
+from coat_jax.core.formats import Fp8Format, get_format, saturating_cast
 
 __all__ = [
     "QuantizedArray",

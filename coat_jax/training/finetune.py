@@ -21,10 +21,10 @@ import os
 import ml_collections
 from flax import nnx
 
-from coat_jax import parallel
-from coat_jax.checkpoint import Checkpointer
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import LlamaConfig
+from coat_jax.training import parallel
+from coat_jax.training.checkpoint import Checkpointer
 
 __all__ = ["initial_params", "resolve_init_from"]
 

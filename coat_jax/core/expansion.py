@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coat_jax.formats import Fp8Format
+from coat_jax.core.formats import Fp8Format
 
 __all__ = [
     "K_MAX",

@@ -1,11 +1,11 @@
 """Placing a training run on a device mesh: sharded init, sharded batches, multi-process launch.
 
-A run's arrays live on one ``(data, fsdp, tensor)`` mesh (:mod:`coat_jax.sharding`):
+A run's arrays live on one ``(data, fsdp, tensor)`` mesh (:mod:`coat_jax.ops.sharding`):
 
 * parameters by their logical axes (``embed`` over ``fsdp``, heads / MLP / vocab over
   ``tensor``), created directly in their shards (:func:`coat_jax.models.llama.init_params`);
 * the FP8 optimizer state with the same leading shape as its parameter, so the update runs
-  where the parameter shard is (:func:`coat_jax.sharding.optimizer_specs`);
+  where the parameter shard is (:func:`coat_jax.ops.sharding.optimizer_specs`);
 * each batch ``(grad_accum, micro_batch, seq_len + 1)`` split over ``data x fsdp`` along the
   micro-batch; every process builds only the rows its own devices hold.
 
@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from coat_jax import sharding
+from coat_jax.ops import sharding
 
 __all__ = [
     "Placement",

@@ -1,8 +1,8 @@
-"""Flax NNX layers of a Llama block; each asks its precision :class:`~coat_jax.policy.Policy`
+"""Flax NNX layers of a Llama block; each asks its precision :class:`~coat_jax.models.policy.Policy`
 for the precision-sensitive ops, so one code path serves BF16, FP8-linear and COAT.
 
 Parameters are stored in ``param_dtype`` (fp32 master weights by default) and annotated with
-logical axis names (metadata ``logical_axes``) that :mod:`coat_jax.sharding` maps to a mesh:
+logical axis names (metadata ``logical_axes``) that :mod:`coat_jax.ops.sharding` maps to a mesh:
 
 =============  ===========================================
 name           meaning
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coat_jax import flow
-from coat_jax.policy import Policy
+from coat_jax.models.policy import Policy
+from coat_jax.ops import plain
 
 __all__ = ["Attention", "Block", "MLP"]
 
@@ -47,7 +47,7 @@ class Attention(nnx.Module):
         *,
         policy: Policy,
         rope_theta: float = 10000.0,
-        rope_scaling: flow.RopeScaling | None = None,
+        rope_scaling: plain.RopeScaling | None = None,
         norm_eps: float = 1e-5,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -72,11 +72,11 @@ class Attention(nnx.Module):
         q, k, v = self.policy.norm_project(
             x, self.norm[...], (self.wq[...], self.wk[...], self.wv[...]), self.norm_eps
         )
-        rope = lambda y: flow.rope(y, positions, self.rope_theta, self.rope_scaling)
+        rope = lambda y: plain.rope(y, positions, self.rope_theta, self.rope_scaling)
         q = rope(q.reshape(b, t, self.n_heads, self.head_dim))
         k = rope(k.reshape(b, t, self.n_kv_heads, self.head_dim))
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        o = flow.attention(q, k, v).reshape(b, t, -1)
+        o = plain.attention(q, k, v).reshape(b, t, -1)
         return self.policy.project(o, self.wo[...])
 
 
@@ -118,7 +118,7 @@ class Block(nnx.Module):
         *,
         policy: Policy,
         rope_theta: float = 10000.0,
-        rope_scaling: flow.RopeScaling | None = None,
+        rope_scaling: plain.RopeScaling | None = None,
         norm_eps: float = 1e-5,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,

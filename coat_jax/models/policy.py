@@ -5,7 +5,9 @@ recipe and layers never branch on recipe names:
 
 * ``norm_project(x, norm_scale, kernels, eps)``: ``rmsnorm(x) @ W_i`` for each kernel,
 * ``project(x, kernel)``: ``x @ W``,
-* ``swiglu_project(gate, up, kernel)``: ``(silu(gate) * up) @ W``.
+* ``swiglu_project(gate, up, kernel)``: ``(silu(gate) * up) @ W``,
+
+and says how its train step compiles (:meth:`Policy.compiler_options`).
 
 ================  ==================================  =========================================
 policy            GEMMs                               saved for backward
@@ -17,7 +19,9 @@ policy            GEMMs                               saved for backward
                                                       operands recomputed from them (COAT)
 ================  ==================================  =========================================
 
-Embedding, attention core, final norm, LM head and loss stay BF16/fp32 in every policy.
+The FP8 policies carry an :class:`~coat_jax.core.recipe.Fp8Recipe` (formats, group size, GEMM
+backend; the table shows the default). Embedding, attention core, final norm, LM head and loss
+stay BF16/fp32 in every policy.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from coat_jax import flow
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.ops import flow, plain
 
 __all__ = ["POLICIES", "Bf16Policy", "CoatPolicy", "Fp8LinearPolicy", "Policy", "get_policy"]
 
@@ -39,19 +44,30 @@ def _bf16_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Base policy: BF16 GEMMs and BF16 saved activations (the baseline)."""
+    """Base policy: BF16 GEMMs and BF16 saved activations (the baseline).
+
+    Attributes:
+      name: the policy's name (``config.precision``).
+      recipe: the FP8 recipe; the BF16 policy does not use it.
+    """
 
     name: str = "bf16"
+    recipe: Fp8Recipe = Fp8Recipe()
 
     def norm_project(self, x, norm_scale, kernels, eps):
-        y = flow.rmsnorm(x, norm_scale, eps)
+        y = plain.rmsnorm(x, norm_scale, eps)
         return tuple(_bf16_dot(y, w) for w in kernels)
 
     def project(self, x, kernel):
         return _bf16_dot(x, kernel)
 
     def swiglu_project(self, gate, up, kernel):
-        return _bf16_dot(flow.swiglu(gate, up), kernel)
+        return _bf16_dot(plain.swiglu(gate, up), kernel)
+
+    def compiler_options(self) -> dict | None:
+        """XLA options for a train step of this policy (``jax.jit(compiler_options=...)``):
+        XLA's defaults for BF16."""
+        return None
 
 
 Bf16Policy = Policy
@@ -64,13 +80,17 @@ class Fp8LinearPolicy(Policy):
     name: str = "fp8_linear"
 
     def norm_project(self, x, norm_scale, kernels, eps):
-        return flow.fp8_project(flow.rmsnorm(x, norm_scale, eps), tuple(kernels))
+        return flow.fp8_project(plain.rmsnorm(x, norm_scale, eps), tuple(kernels), self.recipe)
 
     def project(self, x, kernel):
-        return flow.fp8_project(x, (kernel,))[0]
+        return flow.fp8_project(x, (kernel,), self.recipe)[0]
 
     def swiglu_project(self, gate, up, kernel):
-        return flow.fp8_project(flow.swiglu(gate, up), (kernel,))[0]
+        return flow.fp8_project(plain.swiglu(gate, up), (kernel,), self.recipe)[0]
+
+    def compiler_options(self) -> dict | None:
+        """The recipe's (:meth:`Fp8Recipe.compiler_options`: cuBLASLt-only GEMMs on a GPU)."""
+        return self.recipe.compiler_options()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,19 +100,22 @@ class CoatPolicy(Fp8LinearPolicy):
     name: str = "coat"
 
     def norm_project(self, x, norm_scale, kernels, eps):
-        return flow.fp8_norm_project(x, norm_scale, tuple(kernels), eps)
+        return flow.fp8_norm_project(x, norm_scale, tuple(kernels), eps, self.recipe)
 
     def swiglu_project(self, gate, up, kernel):
-        return flow.fp8_swiglu_project(gate, up, kernel)
+        return flow.fp8_swiglu_project(gate, up, kernel, self.recipe)
 
 
 POLICIES = {p.name: p for p in (Bf16Policy(), Fp8LinearPolicy(), CoatPolicy())}
 
 
-def get_policy(policy: str | Policy) -> Policy:
-    """The policy named ``"bf16"``, ``"fp8_linear"`` or ``"coat"`` (or ``policy`` itself)."""
-    if isinstance(policy, Policy):
-        return policy
-    if policy not in POLICIES:
-        raise ValueError(f"unknown precision policy {policy!r}; expected one of {sorted(POLICIES)}")
-    return POLICIES[policy]
+def get_policy(policy: str | Policy, recipe: Fp8Recipe | None = None) -> Policy:
+    """The policy named ``"bf16"``, ``"fp8_linear"`` or ``"coat"`` (or ``policy`` itself), with
+    ``recipe`` when given."""
+    if not isinstance(policy, Policy):
+        if policy not in POLICIES:
+            raise ValueError(
+                f"unknown precision policy {policy!r}; expected one of {sorted(POLICIES)}"
+            )
+        policy = POLICIES[policy]
+    return policy if recipe is None else dataclasses.replace(policy, recipe=recipe)

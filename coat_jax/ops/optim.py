@@ -1,8 +1,9 @@
 r"""AdamW whose moments are stored in FP8 with per-group dynamic range expansion.
 
 The transformation is optax's Adam with a different storage for ``mu`` and ``nu``: each step
-dequantizes them to fp32, applies the Adam recurrences in fp32, computes the update from the
-fp32 moments, and quantizes the new moments back (COAT, arXiv 2410.19313). Parameters smaller
+dequantizes them to fp32, applies the Adam recurrence in fp32 (:mod:`coat_jax.core.adam`, the
+one the kernels use too), computes the update from the fp32 moments, and quantizes the new
+moments back (COAT, arXiv 2410.19313). Parameters smaller
 than ``min_size`` elements (norm scales, biases) and 0-d parameters keep fp32 moments.
 
 State bytes per quantized parameter: 1 (m) + 1 (v) + per group of up to ``group_size`` elements
@@ -16,43 +17,21 @@ optimizer in ``optax.apply_if_finite`` to skip such steps and keep the FP8 state
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax import quant
-from coat_jax.formats import get_format
-from coat_jax.quant import QuantizedArray, dequantize, quantize
+from coat_jax.core import adam, quant
+from coat_jax.core.adam import ScaleByFp8AdamState
+from coat_jax.core.formats import get_format
+from coat_jax.core.quant import QuantizedArray, dequantize, quantize
+from pallas_kernels import adam_step, dispatch
 
-__all__ = [
-    "DEFAULT_MIN_SIZE",
-    "ScaleByFp8AdamState",
-    "fp8_adamw",
-    "fused_fp8_adamw_update",
-    "scale_by_fp8_adam",
-]
+__all__ = ["DEFAULT_MIN_SIZE", "fp8_adamw", "scale_by_fp8_adam"]
 
 DEFAULT_MIN_SIZE = 16384
 """Parameters with fewer elements keep fp32 moments: norm scales and biases up to hidden 16k."""
-
-
-class ScaleByFp8AdamState(NamedTuple):
-    """State of :func:`scale_by_fp8_adam`.
-
-    Attributes:
-      count: int32, shape ``()``; number of updates applied.
-      mu: first moments, the params' tree structure. Each leaf is a
-        :class:`~coat_jax.quant.QuantizedArray` (FP8 ``data`` of shape
-        ``(*param.shape[:-1], n_groups, size)``, fp32 ``amax`` and, when expanded, uint8 ``k``
-        of shape ``(*param.shape[:-1], n_groups)``) or an fp32 array of the param's shape.
-      nu: second moments, laid out like ``mu``.
-    """
-
-    count: jax.Array
-    mu: optax.Updates
-    nu: optax.Updates
 
 
 def _check_format(name, what: str):
@@ -91,22 +70,6 @@ def _check_float_leaves(tree, what: str) -> None:
                 f"{what} {jax.tree_util.keystr(path) or '(root)'} has dtype {leaf.dtype}; "
                 "fp8 Adam needs floating-point leaves"
             )
-
-
-def _resolve_kernels(kernels: str):
-    """The ``pallas_kernels.adam_step`` module when the fused kernel is to run, else ``None``.
-
-    The decision is ``pallas_kernels.dispatch.resolve`` (one rule for every kernel family):
-    ``"auto"`` picks the kernel only on a Hopper GPU and only once a GPU measurement says it
-    beats the XLA-fused reference.
-    """
-    from pallas_kernels import dispatch  # pallas_kernels imports coat_jax, not the reverse
-
-    if dispatch.resolve(kernels, "adam_step") == "reference":
-        return None
-    from pallas_kernels import adam_step  # imported only when the kernel can run
-
-    return adam_step
 
 
 def scale_by_fp8_adam(
@@ -150,9 +113,9 @@ def scale_by_fp8_adam(
       kernels: ``"pallas"`` (the fused moment kernel of ``pallas_kernels.adam_step``; Hopper
         GPU only), ``"reference"`` (XLA-fused jnp), ``"interpret"`` (the kernel in Pallas
         interpret mode, for tests on CPU) or ``"auto"``: the faster of the two as measured
-        (``pallas_kernels.dispatch.AUTO_USES_KERNEL``: the kernel on one Hopper GPU, 1.15x on an
-        H200), the reference elsewhere and under a multi-device mesh. Parameters whose layout
-        the kernel does not take use the reference.
+        (``pallas_kernels.dispatch.AUTO_USES_KERNEL``: the kernel on one Hopper GPU), the
+        reference elsewhere and under a multi-device mesh. Parameters whose layout the kernel
+        does not take use the reference.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -169,7 +132,7 @@ def scale_by_fp8_adam(
         raise TypeError(f"expansion must be a bool, got {type(expansion).__name__}")
     _check_decay(b1, "b1")
     _check_decay(b2, "b2")
-    kernel = _resolve_kernels(kernels)
+    use_kernel = dispatch.resolve(kernels, "adam_step") != "reference"
 
     def quantized(param, fmt) -> bool:
         return fmt is not None and param.ndim >= 1 and param.size >= min_size
@@ -197,32 +160,25 @@ def scale_by_fp8_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         _check_float_leaves(updates, "gradient")
-        from pallas_kernels import dispatch
-
         mesh = dispatch.multi_device_mesh()
-        run_kernel = kernel
-        if kernel is not None and mesh is not None:
+        run_kernel = use_kernel
+        if use_kernel and mesh is not None:
             if kernels != "auto":
                 raise ValueError(
                     f"kernels={kernels!r}: the Pallas moment kernel does not run under a "
                     f"{mesh.size}-device mesh yet (it is not shard_map-wrapped); use 'reference'"
                 )
-            run_kernel = None  # "auto": the XLA path, which the partitioner shards
+            run_kernel = False  # "auto": the XLA path, which the partitioner shards
         count_inc = optax.safe_increment(state.count)
-        bc1 = 1 - jnp.asarray(b1, jnp.float32) ** count_inc
-        bc2 = 1 - jnp.asarray(b2, jnp.float32) ** count_inc
+        coeffs = adam.coefficients(b1, b2, eps, eps_root, count_inc)
 
         def leaf(g, mu, nu):
-            if run_kernel is not None and run_kernel.supported(mu, nu):
-                terms = (b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2)
-                hyper = jnp.stack([jnp.asarray(h, jnp.float32) for h in terms])
-                return run_kernel.fp8_adam_moments(
-                    g, mu, nu, hyper, interpret=kernels == "interpret"
+            if run_kernel and adam_step.supported(mu, nu):
+                return adam_step.fp8_adam_moments(
+                    g, mu, nu, coeffs, interpret=kernels == "interpret"
                 )
-            g32 = g.astype(jnp.float32)
-            m = (1 - b1) * g32 + b1 * decode(mu)
-            v = (1 - b2) * (g32 * g32) + b2 * decode(nu)
-            u = (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
+            m, v = adam.update_moments(g.astype(jnp.float32), decode(mu), decode(nu), coeffs)
+            u = adam.direction(m, v, coeffs)
             return u.astype(g.dtype), encode(m, mu_fmt, mu), encode(v, nu_fmt, nu)
 
         flat_g, treedef = jax.tree.flatten(updates)
@@ -303,15 +259,3 @@ def fp8_adamw(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-
-
-def fused_fp8_adamw_update(params, grads, state: ScaleByFp8AdamState, learning_rate, **kwargs):
-    """``fp8_adamw``'s update and ``optax.apply_updates`` in one fused pass per parameter.
-
-    ``state`` is :func:`scale_by_fp8_adam`'s; returns ``(new_params, new_state)``. The kernel,
-    its jnp reference, the math and the options are in ``pallas_kernels.adam_update``
-    (:func:`~pallas_kernels.adam_update.fp8_adamw_update`).
-    """
-    from pallas_kernels import adam_update  # pallas_kernels imports coat_jax, not the reverse
-
-    return adam_update.fp8_adamw_update(params, grads, state, learning_rate, **kwargs)

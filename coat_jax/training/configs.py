@@ -14,21 +14,34 @@ import importlib.util
 
 import ml_collections
 
-from coat_jax.formats import get_format
+from coat_jax.core.formats import get_format
+from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models.llama import PRESETS, LlamaConfig
-from coat_jax.policy import POLICIES
+from coat_jax.models.policy import POLICIES
 from pallas_kernels.dispatch import KERNEL_OPTIONS
 
-__all__ = ["base_config", "llama_config", "model_fields", "pretraining_config", "validate"]
+__all__ = [
+    "apply_overrides",
+    "base_config",
+    "fp8_recipe",
+    "llama_config",
+    "load_file",
+    "model_fields",
+    "parse_overrides",
+    "pretraining_config",
+    "validate",
+]
 
 OPTIMIZERS = ("fp8_adamw", "adamw")
 DATA_FORMATS = ("text", "prompt_response")
 
 
 def model_fields(preset: str) -> ml_collections.ConfigDict:
-    """The :class:`LlamaConfig` fields of a preset (``PRESETS``), minus ``precision``."""
+    """The :class:`LlamaConfig` fields of a preset (``PRESETS``), minus ``precision`` and
+    ``fp8`` (``config.precision`` and ``config.fp8``)."""
     fields = dataclasses.asdict(PRESETS[preset])
     fields.pop("precision")
+    fields.pop("fp8")
     fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
     return ml_collections.ConfigDict(fields)
 
@@ -38,8 +51,12 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model_fields("tiny")
     c.precision = "coat"  # bf16 | fp8_linear | coat
-    # float32 | bfloat16: the gradients' dtype (train_loop.make_train_step; bf16 halves the
-    # gradient buffer where the fused FP8 AdamW update runs and grad_accum is 1)
+    # The FP8 recipe of the FP8 precisions (coat_jax.core.recipe.Fp8Recipe): formats of GEMM
+    # operands and gradients, the group of saved non-linear inputs, the GEMM backend
+    # (xla | pallas | auto), whether the Pallas GEMM autotunes, Triton GEMMs on a GPU.
+    c.fp8 = ml_collections.ConfigDict(dataclasses.asdict(Fp8Recipe()))
+    # float32 | bfloat16: the gradients' dtype (coat_jax.training.step.make_train_step; bf16
+    # halves the gradient buffer where the fused FP8 AdamW update runs and grad_accum is 1)
     c.grad_dtype = "float32"
     c.optimizer = ml_collections.ConfigDict(
         dict(
@@ -64,7 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
             kernels="auto",
         )
     )
-    c.init_from = ""  # a Hugging Face folder or a coat-jax run to start from (coat_jax.finetune)
+    # a Hugging Face folder or a coat-jax run to start from (coat_jax.training.finetune)
+    c.init_from = ""
     c.data = ml_collections.ConfigDict(
         dict(
             source="stdlib",
@@ -76,10 +94,12 @@ def base_config() -> ml_collections.ConfigDict:
             eval_fraction=0.05,
         )
     )
-    # Device mesh (coat_jax.sharding): examples split over data x fsdp, parameters and FP8
+    # Device mesh (coat_jax.ops.sharding): examples split over data x fsdp, parameters and FP8
     # optimizer state over fsdp (and tensor); -1 = all remaining devices.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-    c.batch_size = 16  # sequences per optimizer step (split over grad_accum micro-batches)
+    # sequences per optimizer step (split over grad_accum micro-batches); -1 = the largest that
+    # fits the device (coat_jax.training.planner; train.py --dry_run prints it)
+    c.batch_size = 16
     c.seq_len = 128
     c.grad_accum = 1
     c.steps = 300
@@ -92,6 +112,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.resume = False
     c.workdir = "runs/llama"
     c.peak_tflops = 0.0  # per device, for MFU; 0 = from the device kind
+    c.memory_limit_gb = 0.0  # the planner's device memory per device; 0 = the allocator's limit
+    c.compile_cache_dir = ""  # JAX's persistent compilation cache ("" = off)
     c.progress = True
     c.lock()
     return c
@@ -105,6 +127,7 @@ def pretraining_config(preset: str) -> ml_collections.ConfigDict:
     c.optimizer.update(lr=3e-4, warmup_steps=100)
     c.log_interval, c.eval_interval, c.checkpoint_interval = 10, 200, 500
     c.workdir = f"runs/{preset}"
+    c.compile_cache_dir = "runs/xla_cache"  # --dry_run's compiles serve the run after it
     return c
 
 
@@ -157,13 +180,18 @@ def _get(c, key):
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key."""
-    for key in ("batch_size", "seq_len", "grad_accum", "steps", "log_interval", "eval_interval",
+    for key in ("seq_len", "grad_accum", "steps", "log_interval", "eval_interval",
                 "eval_batches", "keep_checkpoints"):  # fmt: skip
         _positive_int(c, key)
+    if c.batch_size != -1:
+        _positive_int(c, "batch_size")
+    if not isinstance(c.memory_limit_gb, (int, float)) or c.memory_limit_gb < 0:
+        raise ValueError(f"config.memory_limit_gb must be >= 0 (0 = the allocator's limit), "
+                         f"got {c.memory_limit_gb!r}")  # fmt: skip
     ci = c.checkpoint_interval
     if isinstance(ci, bool) or not isinstance(ci, int) or ci < 0:
         raise ValueError(f"config.checkpoint_interval must be an int >= 0 (0 = never), got {ci!r}")
-    if c.batch_size % c.grad_accum:
+    if c.batch_size != -1 and c.batch_size % c.grad_accum:
         raise ValueError(
             f"config.batch_size={c.batch_size} must be a multiple of "
             f"config.grad_accum={c.grad_accum}"
@@ -215,12 +243,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.data.format={c.data.format!r}: expected one of {DATA_FORMATS}")
     if not 0 < c.data.eval_fraction < 1:
         raise ValueError(f"config.data.eval_fraction must be in (0, 1), got {c.data.eval_fraction}")
+    fp8_recipe(c)  # names the bad field
     llama_config(c)  # model shape checks (divisibility, group size, ...) name their field
 
 
+def fp8_recipe(c: ml_collections.ConfigDict) -> Fp8Recipe:
+    """``c.fp8`` as an :class:`~coat_jax.core.recipe.Fp8Recipe`."""
+    try:
+        return Fp8Recipe(**c.fp8.to_dict())
+    except ValueError as e:
+        raise ValueError(f"config.fp8: {e}") from None
+
+
 def llama_config(c: ml_collections.ConfigDict, vocab_size: int | None = None) -> LlamaConfig:
-    """The model config: ``c.model`` fields plus ``c.precision``; ``vocab_size`` overrides."""
-    fields = dict(c.model.to_dict(), precision=c.precision)
+    """The model config: ``c.model`` fields plus ``c.precision`` and ``c.fp8``; ``vocab_size``
+    overrides."""
+    fields = dict(c.model.to_dict(), precision=c.precision, fp8=fp8_recipe(c))
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
     try:

@@ -1,0 +1,88 @@
+"""The FP8 recipe: one object that says how a model computes in FP8.
+
+=====================  =========  ===========================================================
+field                  default    meaning
+=====================  =========  ===========================================================
+``forward_format``     ``e4m3``   FP8 format of forward GEMM operands (activations, weights),
+                                  scaled per tensor just in time
+``grad_format``        ``e5m2``   FP8 format of output gradients as GEMM operands (per tensor)
+``saved_format``       ``e4m3``   FP8 format of the inputs non-linear layers save for backward
+``saved_group``        ``16``     their scaling group along the hidden axis (COAT's 1x16)
+``gemm``               ``xla``    GEMM backend: ``xla`` (FP8 codes into ``dot_general``, XLA's
+                                  cuBLASLt FP8 call on Hopper), ``pallas`` (the Mosaic GPU
+                                  kernel, Hopper only, one device), ``auto`` (Pallas for the
+                                  shapes measured faster, ``pallas_kernels.dispatch``)
+``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
+``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
+=====================  =========  ===========================================================
+
+The precision policies (``coat_jax.models.policy``) hold a recipe; the FP8 ops
+(``coat_jax.ops.flow``) and kernels read it; ``config.fp8`` sets it for a training run.
+:meth:`Fp8Recipe.compiler_options` gives the XLA options a step compiled with FP8 GEMMs needs:
+with ``triton_gemm=False`` every FP8 dot goes to cuBLASLt on a GPU (docs/history.md, 2026-11-30:
+Triton's FP8 GEMM fusions made the sharded 7B step compile for minutes or run 17x slower).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from coat_jax.core.formats import Fp8Format, get_format
+
+__all__ = ["ACT_GROUP", "GEMM_BACKENDS", "Fp8Recipe"]
+
+ACT_GROUP = 16
+"""COAT's group size for FP8 inputs of non-linear layers (1x16 along the hidden axis)."""
+
+GEMM_BACKENDS = ("xla", "pallas", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """Formats, group size, GEMM backend and compiler options of an FP8 computation (see the
+    module docstring for each field). Frozen and hashable: FP8 ops take it as a static
+    argument. Raises ``ValueError`` naming the field on a bad value."""
+
+    forward_format: str = "e4m3"
+    grad_format: str = "e5m2"
+    saved_format: str = "e4m3"
+    saved_group: int = ACT_GROUP
+    gemm: str = "xla"
+    gemm_autotune: bool = True
+    triton_gemm: bool = False
+
+    def __post_init__(self):
+        for name in ("forward_format", "grad_format", "saved_format"):
+            try:
+                get_format(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"Fp8Recipe.{name}: {e}") from None
+        group = self.saved_group
+        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"Fp8Recipe.saved_group must be a positive int, got {group!r}")
+        if self.gemm not in GEMM_BACKENDS:
+            raise ValueError(f"Fp8Recipe.gemm={self.gemm!r}: expected one of {GEMM_BACKENDS}")
+        for name in ("gemm_autotune", "triton_gemm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Fp8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def forward(self) -> Fp8Format:
+        return get_format(self.forward_format)
+
+    @property
+    def grad(self) -> Fp8Format:
+        return get_format(self.grad_format)
+
+    @property
+    def saved(self) -> Fp8Format:
+        return get_format(self.saved_format)
+
+    def compiler_options(self) -> dict | None:
+        """XLA options for a step with this recipe's GEMMs: on a GPU without ``triton_gemm``,
+        ``xla_gpu_enable_triton_gemm=False``; ``None`` (XLA's defaults) elsewhere."""
+        if self.triton_gemm or jax.default_backend() != "gpu":
+            return None
+        return {"xla_gpu_enable_triton_gemm": False}

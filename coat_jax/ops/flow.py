@@ -1,0 +1,283 @@
+r"""FP8 precision flow: differentiable ops whose residuals for backward are FP8 (COAT, section 5).
+
+Each op is a ``jax.custom_vjp`` with its forward, backward and ``defvjp`` side by side, so what
+backward reads is explicit. What each op quantizes, and how, is the
+:class:`~coat_jax.core.recipe.Fp8Recipe` it is given (a static argument; default: COAT's):
+
+* GEMM operands are quantized **per tensor** just in time (scale from the current ``amax``):
+  activations and weights in ``recipe.forward_format`` (E4M3) for the forward, output
+  gradients in ``recipe.grad_format`` (E5M2) for the backward; products accumulate in fp32
+  (:func:`fp8_gemm`, the one place the recipe's GEMM backend plugs in).
+* Inputs of non-linear layers are saved in groups of ``recipe.saved_group`` (1x16) along the
+  hidden axis, in ``recipe.saved_format`` (E4M3).
+
+Ops, with what each saves for backward (``T`` tokens, ``h`` hidden, ``f`` MLP width):
+
+=========================  =================================================================
+``fp8_project``            ``x @ W_i`` for several ``W_i``; saves ``x`` FP8 per tensor (T h
+                           bytes) and the FP8 weights. The TransformerEngine-like linear.
+``fp8_norm_project``       ``rmsnorm(x) @ W_i``; saves ``x`` FP8 1x16 (1.25 T h bytes) and the
+                           normed input's scale; the GEMM operand is recomputed in backward.
+``fp8_swiglu_project``     ``(silu(g) * u) @ W``; saves ``g``, ``u`` FP8 1x16 and one scale; the
+                           GEMM operand is recomputed in backward.
+=========================  =================================================================
+
+The COAT forward consumes the dequantized FP8 input (as COAT's FP8 kernels do), so backward's
+recomputation reproduces the forward's GEMM operand exactly (same values, same saved scale).
+The ops without FP8 (norm, SwiGLU, RoPE, attention) are :mod:`coat_jax.ops.plain`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax.core.quant import QuantizedArray, dequantize, quantize
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.ops.plain import rmsnorm_fp32, swiglu_fp32
+from pallas_kernels import dispatch, fp8_matmul
+
+__all__ = ["fp8_gemm", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
+
+COAT = Fp8Recipe()
+"""The default recipe: COAT's formats, 1x16 groups, XLA's cuBLASLt GEMMs."""
+
+
+# --------------------------------------------------------------------------------------------
+# The GEMM: one function behind which the backend (XLA cuBLASLt FP8 or Pallas) is chosen.
+
+
+def fp8_gemm(
+    a: QuantizedArray,
+    b: QuantizedArray,
+    contract: tuple[int, int],
+    out_dtype=jnp.float32,
+    recipe: Fp8Recipe = COAT,
+) -> jax.Array:
+    """``sum_k a[..., k] b[k, ...]`` of two per-tensor FP8 operands, in ``out_dtype``.
+
+    FP8 codes feed ``lax.dot_general`` directly with fp32 accumulation, the pattern that XLA
+    rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product and
+    the cast to ``out_dtype`` joins the GEMM's epilogue there. Where ``recipe.gemm`` picks
+    Pallas for this shape (:func:`pallas_kernels.dispatch.gemm_backend`) the Pallas wgmma
+    kernel runs instead (:mod:`pallas_kernels.fp8_matmul`; operands moved to K-major first, a
+    copy for each operand whose contracted axis is not its last).
+
+    Args:
+      a, b: per-tensor :class:`QuantizedArray` operands.
+      contract: the contracted axis of ``a`` and of ``b``.
+      out_dtype: dtype of the result.
+      recipe: supplies the backend (``gemm``) and the Pallas kernel's ``gemm_autotune``.
+    """
+    ca, cb = contract[0] % a.data.ndim, contract[1] % b.data.ndim
+    k = a.data.shape[ca]
+    m, n = a.data.size // max(k, 1), b.data.size // max(k, 1)
+    pallas_out = jnp.dtype(out_dtype) in fp8_matmul.OUT_DTYPES
+    if pallas_out and dispatch.gemm_backend(recipe.gemm, (m, k, n)) == "pallas":
+        return fp8_matmul.fp8_dot_general(a.data, b.data, a.scale * b.scale, (ca, cb), out_dtype,
+                                          autotune=recipe.gemm_autotune)  # fmt: skip
+    dims = (((ca,), (cb,)), ((), ()))
+    out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.float32)
+    return (out * (a.scale * b.scale)).astype(out_dtype)
+
+
+def _matrix(x):
+    """Collapses all leading axes: ``(..., K) -> (M, K)``."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _project_backward(xq: QuantizedArray, wqs, douts, w_dtypes, recipe: Fp8Recipe):
+    """Shared backward of a projection ``y_i = x @ W_i``: ``(dx, (dW_i, ...))``.
+
+    ``dx`` comes in the output gradients' dtype (summed in fp32 over several kernels), each
+    ``dW_i`` in its kernel's dtype.
+    """
+    dx_dtype = douts[0].dtype
+    term_dtype = dx_dtype if len(wqs) == 1 else jnp.float32
+    dx = None
+    dws = []
+    x2 = QuantizedArray(_matrix(xq.data), xq.amax)
+    for wq, dy, dtype in zip(wqs, douts, w_dtypes, strict=True):
+        dyq = quantize(dy, recipe.grad)
+        term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
+        dx = term if dx is None else dx + term
+        dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
+        dws.append(fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe))
+    return dx.astype(dx_dtype), tuple(dws)
+
+
+def _dtypes(arrays) -> tuple:
+    return tuple(jnp.dtype(a.dtype) for a in arrays)
+
+
+def _project_forward(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe):
+    """``(x @ W_i for each kernel, FP8 weights)`` from the FP8 operand ``xq``."""
+    wqs = tuple(quantize(w, recipe.forward) for w in kernels)
+    outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
+    return outs, wqs
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_project: the TransformerEngine-like FP8 linear (saves its input in FP8, per tensor).
+
+
+def fp8_project(
+    x: jax.Array, kernels: tuple[jax.Array, ...], recipe: Fp8Recipe = COAT
+) -> tuple[jax.Array, ...]:
+    """``(x @ W_1, x @ W_2, ...)`` in FP8, quantizing ``x`` once; outputs in ``x.dtype``.
+
+    Args:
+      x: activations ``(..., K)``.
+      kernels: weights ``(K, N_i)`` in any float dtype (gradients come back in that dtype).
+      recipe: the FP8 recipe (formats and GEMM backend).
+    """
+    _check_project(x, kernels)
+    return _fp8_project(_dtypes(kernels), recipe, x, tuple(kernels))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_project(w_dtypes, recipe, x, kernels):
+    return _fp8_project_fwd(w_dtypes, recipe, x, kernels)[0]
+
+
+def _fp8_project_fwd(w_dtypes, recipe, x, kernels):
+    del w_dtypes
+    xq = quantize(x, recipe.forward)
+    outs, wqs = _project_forward(xq, kernels, x.dtype, recipe)
+    return outs, (xq, wqs)
+
+
+def _fp8_project_bwd(w_dtypes, recipe, residuals, douts):
+    xq, wqs = residuals
+    dx, dws = _project_backward(xq, wqs, douts, w_dtypes, recipe)
+    return dx.astype(douts[0].dtype), dws
+
+
+_fp8_project.defvjp(_fp8_project_fwd, _fp8_project_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# COAT fused ops: FP8 1x16 inputs saved, FP8 per-tensor GEMM operands recomputed in backward.
+
+
+def _save_groups(x, recipe: Fp8Recipe):
+    return quantize(x, recipe.saved, group_size=recipe.saved_group)
+
+
+def fp8_norm_project(
+    x: jax.Array,
+    norm_scale: jax.Array,
+    kernels: tuple[jax.Array, ...],
+    eps: float = 1e-6,
+    recipe: Fp8Recipe = COAT,
+) -> tuple[jax.Array, ...]:
+    """``(rmsnorm(x) @ W_1, ...)`` with ``x`` saved as FP8 groups; outputs in ``x.dtype``.
+
+    Args:
+      x: residual stream ``(..., h)``; ``h`` must be a multiple of ``recipe.saved_group``.
+      norm_scale: RMSNorm weight ``(h,)``.
+      kernels: projection weights ``(h, N_i)``.
+      eps: RMSNorm epsilon.
+      recipe: the FP8 recipe.
+    """
+    _check_project(x, kernels)
+    _check_groups(x, "fp8_norm_project: x", recipe)
+    return _fp8_norm_project(eps, _dtypes(kernels), recipe, x, norm_scale, tuple(kernels))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_norm_project(eps, w_dtypes, recipe, x, norm_scale, kernels):
+    return _fp8_norm_project_fwd(eps, w_dtypes, recipe, x, norm_scale, kernels)[0]
+
+
+def _fp8_norm_project_fwd(eps, w_dtypes, recipe, x, norm_scale, kernels):
+    del w_dtypes
+    xg = _save_groups(x, recipe)
+    y = rmsnorm_fp32(dequantize(xg, x.dtype), norm_scale, eps).astype(x.dtype)
+    yq = quantize(y, recipe.forward)
+    outs, wqs = _project_forward(yq, kernels, x.dtype, recipe)
+    return outs, (xg, norm_scale, yq.amax, wqs)
+
+
+def _fp8_norm_project_bwd(eps, w_dtypes, recipe, residuals, douts):
+    xg, norm_scale, y_amax, wqs = residuals
+    dtype = douts[0].dtype
+    norm = lambda a, s: rmsnorm_fp32(a, s, eps).astype(dtype)
+    y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
+    yq = quantize(y, recipe.forward, amax=y_amax)
+    dy, dws = _project_backward(yq, wqs, douts, w_dtypes, recipe)
+    dx, dscale = norm_vjp(dy)
+    return dx.astype(douts[0].dtype), dscale.astype(norm_scale.dtype), dws
+
+
+_fp8_norm_project.defvjp(_fp8_norm_project_fwd, _fp8_norm_project_bwd)
+
+
+def fp8_swiglu_project(
+    gate: jax.Array, up: jax.Array, kernel: jax.Array, recipe: Fp8Recipe = COAT
+) -> jax.Array:
+    """``(silu(gate) * up) @ W`` with ``gate``, ``up`` saved as FP8 groups.
+
+    Args:
+      gate, up: ``(..., f)``; ``f`` must be a multiple of ``recipe.saved_group``.
+      kernel: down-projection weight ``(f, h)``.
+      recipe: the FP8 recipe.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"fp8_swiglu_project: gate {gate.shape} and up {up.shape} differ")
+    _check_project(gate, (kernel,))
+    _check_groups(gate, "fp8_swiglu_project: gate", recipe)
+    return _fp8_swiglu_project(jnp.dtype(kernel.dtype), recipe, gate, up, kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_swiglu_project(w_dtype, recipe, gate, up, kernel):
+    return _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel)[0]
+
+
+def _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel):
+    del w_dtype
+    gq, uq = _save_groups(gate, recipe), _save_groups(up, recipe)
+    dtype = gate.dtype
+    h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
+    hq = quantize(h, recipe.forward)
+    (out,), (wq,) = _project_forward(hq, (kernel,), dtype, recipe)
+    return out, (gq, uq, hq.amax, wq)
+
+
+def _fp8_swiglu_project_bwd(w_dtype, recipe, residuals, dout):
+    gq, uq, h_amax, wq = residuals
+    dtype = dout.dtype
+    swiglu = lambda g, u: swiglu_fp32(g, u).astype(dtype)
+    h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
+    hq = quantize(h, recipe.forward, amax=h_amax)
+    dh, (dw,) = _project_backward(hq, (wq,), (dout,), (w_dtype,), recipe)
+    dgate, dup = swiglu_vjp(dh)
+    return dgate.astype(dout.dtype), dup.astype(dout.dtype), dw
+
+
+_fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks (shapes are static: these run at trace time, before any work).
+
+
+def _check_project(x, kernels):
+    if not kernels:
+        raise ValueError("projection needs at least one kernel")
+    for w in kernels:
+        if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"projection: x has last axis {x.shape[-1]} but a kernel has shape {w.shape}"
+            )
+
+
+def _check_groups(x, what, recipe: Fp8Recipe):
+    if x.shape[-1] % recipe.saved_group:
+        raise ValueError(
+            f"{what} last axis {x.shape[-1]} is not a multiple of the FP8 group size "
+            f"{recipe.saved_group}"
+        )

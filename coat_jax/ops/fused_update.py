@@ -1,0 +1,168 @@
+r"""``fp8_adamw``'s step and ``optax.apply_updates`` in one pass per parameter.
+
+:func:`fp8_adamw_update` takes the parameters, gradients and the
+:class:`~coat_jax.core.adam.ScaleByFp8AdamState` of ``scale_by_fp8_adam`` and returns the new
+parameters and state, exactly as ``optax.chain(scale_by_fp8_adam(...),
+optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(lr))`` followed by
+``optax.apply_updates`` would (the math: ``pallas_kernels.adam_update``). Each leaf runs the
+fused Pallas kernel (``pallas_kernels.adam_update.leaf_kernel``) where the dispatch rule
+(``pallas_kernels.dispatch``) and the leaf's layout allow, else its jnp reference; under a
+multi-device mesh the kernel runs on every device's shard (``jax.shard_map``): the FP8 state
+shards like its parameter (:func:`coat_jax.ops.sharding.optimizer_specs`), so nothing moves.
+
+How a trainer calls it (instead of ``opt.update`` + ``optax.apply_updates``)::
+
+    adam = coat_jax.scale_by_fp8_adam(group_size=128)        # only the moment state
+    state = adam.init(params)
+    ...
+    scale = jnp.minimum(1.0, max_norm / optax.global_norm(grads))  # optional clipping
+    params, state = fp8_adamw_update(params, grads, state, lr_schedule,
+                                     weight_decay=0.1, mask=decay_mask, clip_scale=scale)
+
+with ``params`` and ``state`` donated to the jitted step, so the kernel updates them in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from coat_jax.core import adam
+from coat_jax.core.adam import ScaleByFp8AdamState
+from coat_jax.core.quant import QuantizedArray
+from coat_jax.ops import sharding
+from pallas_kernels import adam_update, dispatch
+from pallas_kernels.adam_step import AdamStepTuning
+
+__all__ = ["fp8_adamw_update"]
+
+_TUNING = AdamStepTuning()
+
+
+def _local_specs(p, mu, p_spec, mesh):
+    """``(param spec, codes spec, group spec)`` for running the kernel on each device's shard
+    of a leaf, or ``None`` when the shards do not line up with whole groups (the state's group
+    axis must split like the parameter's last axis: :func:`coat_jax.ops.sharding.optimizer_specs`
+    replicates it where it cannot)."""
+    spec = (*tuple(p_spec), *(None,) * (p.ndim - len(p_spec)))
+    lead, last = spec[:-1], spec[-1]
+    if sharding.fits(mesh, last, mu.amax.shape[-1]) != last:  # the state's rule for its groups
+        return None
+    P = jax.sharding.PartitionSpec
+    return P(*spec), P(*lead, last, None), P(*lead, last)
+
+
+def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret):
+    """The kernel on every device's shard (``jax.shard_map``): the update is elementwise within
+    a group, so each device updates its own parameter rows and their FP8 groups."""
+    p_spec, codes_spec, group_spec = specs
+    expanded = mu.expanded
+
+    def arrays(q):
+        return [q.data, q.amax, *([q.k] if expanded else [])]
+
+    def local(p, g, hyper, *moments):
+        half = len(moments) // 2
+        rebuild = lambda a: QuantizedArray(a[0], a[1], a[2] if expanded else None,
+                                           a[0].shape[-2] * a[0].shape[-1])  # fmt: skip
+        new_p, new_mu, new_nu = adam_update.leaf_kernel(
+            p, g, rebuild(moments[:half]), rebuild(moments[half:]), hyper, decay,
+            tuning=tuning, interpret=interpret,
+        )  # fmt: skip
+        return new_p, *arrays(new_mu), *arrays(new_nu)
+
+    moment_specs = [codes_spec, group_spec, *([group_spec] if expanded else [])] * 2
+    P = jax.sharding.PartitionSpec
+    outs = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(p_spec, p_spec, P(), *moment_specs),
+        out_specs=(p_spec, *moment_specs),
+        check_vma=False,
+    )(p, g, hyper, *arrays(mu), *arrays(nu))
+    half = (len(outs) - 1) // 2
+    glob = lambda a, like: QuantizedArray(a[0], a[1], a[2] if expanded else None, like.last_dim)
+    return outs[0], glob(outs[1 : 1 + half], mu), glob(outs[1 + half :], nu)
+
+
+def fp8_adamw_update(
+    params,
+    grads,
+    state: ScaleByFp8AdamState,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 1e-4,
+    mask=None,
+    clip_scale=1.0,
+    kernels: str = "auto",
+    tuning: AdamStepTuning = _TUNING,
+    specs=None,
+):
+    """One AdamW step with FP8 moments, fused per leaf (math in the module docstring).
+
+    Args:
+      params: pytree of parameters.
+      grads: gradients, the params' structure (fp32 or bf16 leaves).
+      state: the :class:`~coat_jax.core.adam.ScaleByFp8AdamState` of ``scale_by_fp8_adam(b1,
+        b2, eps, eps_root, ...)``, whose moments carry format, group size and expansion.
+      learning_rate: a scalar or an optax schedule of the step count before this update.
+      b1, b2, eps, eps_root: as given to ``scale_by_fp8_adam``.
+      weight_decay: decoupled weight decay :math:`\\lambda`.
+      mask: pytree of Python bools (or a callable of params returning one): leaves to decay.
+      clip_scale: scalar multiplying the gradients, e.g. ``min(1, max_norm / global_norm)``.
+      kernels: ``"auto" | "pallas" | "interpret" | "reference"`` (``pallas_kernels.dispatch``).
+      tuning: knobs of the kernel.
+      specs: under a multi-device mesh (``jax.set_mesh``), the ``PartitionSpec`` of each
+        parameter (the params' structure): the kernel then runs on every device's shard.
+        Without it, ``"auto"`` takes the XLA reference there and the kernel modes raise.
+
+    Returns:
+      ``(new_params, new_state)``.
+    """
+    mode = dispatch.resolve(kernels, "adam_update")
+    mesh = dispatch.multi_device_mesh()
+    sharded = mesh is not None
+    if sharded and specs is None and mode != "reference":
+        if kernels != "auto":
+            raise ValueError(
+                f"fp8_adamw_update(kernels={kernels!r}) under a {mesh.size}-device mesh needs "
+                "specs= (the parameters' PartitionSpecs) to run the kernel on each shard"
+            )
+        mode = "reference"
+
+    count_inc = optax.safe_increment(state.count)
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    coeffs = adam.coefficients(b1, b2, eps, eps_root, count_inc)
+    hyper = adam_update.update_vector(coeffs, lr, weight_decay, clip_scale)
+
+    flat_p, treedef = jax.tree.flatten(params)
+    flat_g = treedef.flatten_up_to(grads)
+    flat_mu, flat_nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+    flat_specs = treedef.flatten_up_to(specs) if sharded and specs is not None else None
+    flat_specs = flat_specs or [None] * len(flat_p)
+    if mask is None:
+        flat_mask = [True] * len(flat_p)
+    else:
+        flat_mask = treedef.flatten_up_to(mask(params) if callable(mask) else mask)
+        if not all(isinstance(d, bool) for d in flat_mask):
+            raise TypeError("fp8_adamw_update: mask leaves must be Python bools (static)")
+    out = []
+    interpret = mode == "interpret"
+    leaves = zip(flat_p, flat_g, flat_mu, flat_nu, flat_mask, flat_specs, strict=True)
+    for p, g, mu, nu, decay, p_spec in leaves:
+        takes = mode != "reference" and adam_update.kernel_takes(p, g, mu, nu, tuning)
+        local = _local_specs(p, mu, p_spec, mesh) if takes and sharded else None
+        if takes and not sharded:
+            out.append(adam_update.leaf_kernel(p, g, mu, nu, hyper, decay, tuning=tuning,
+                                               interpret=interpret))  # fmt: skip
+        elif local is not None:
+            out.append(_leaf_sharded(p, g, mu, nu, hyper, decay, local, mesh, tuning=tuning,
+                                     interpret=interpret))  # fmt: skip
+        else:
+            out.append(adam_update.leaf_reference(p, g, mu, nu, hyper, decay))
+    new_p, new_mu, new_nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
+    return new_p, ScaleByFp8AdamState(count=count_inc, mu=new_mu, nu=new_nu)

@@ -1,0 +1,231 @@
+"""Plain differentiable ops of a Llama block, the same in every precision policy: RMSNorm and
+SwiGLU (the BF16 baseline's, saving only their inputs), rotary embeddings (saving only the
+positions) and causal attention (cuDNN flash attention on a GPU, elsewhere a reference that
+saves only ``q, k, v``). Each is a ``jax.custom_vjp`` with forward, backward and ``defvjp`` side
+by side; math in fp32, outputs in the input's dtype. The FP8 ops of :mod:`coat_jax.ops.flow`
+reuse :func:`rmsnorm_fp32` and :func:`swiglu_fp32`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "RopeScaling",
+    "attention",
+    "rmsnorm",
+    "rmsnorm_fp32",
+    "rope",
+    "rope_frequencies",
+    "swiglu",
+    "swiglu_fp32",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# rmsnorm / swiglu references (BF16 baseline; save only their inputs).
+
+
+def rmsnorm_fp32(x, scale, eps):
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in fp32."""
+    x = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * rstd * scale.astype(jnp.float32)
+
+
+def swiglu_fp32(gate, up):
+    """``silu(gate) * up`` in fp32."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return jax.nn.silu(gate) * up
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rmsnorm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+    r"""``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (fp32 math, ``x.dtype`` out).
+
+    Saves only ``x`` (and ``scale``) for backward; the statistics are recomputed.
+    """
+    return rmsnorm_fp32(x, scale, eps).astype(x.dtype)
+
+
+def _rmsnorm_fwd(x, scale, eps):
+    return rmsnorm(x, scale, eps), (x, scale)
+
+
+def _rmsnorm_bwd(eps, residuals, dy):
+    x, scale = residuals
+    _, vjp = jax.vjp(lambda a, s: rmsnorm_fp32(a, s, eps), x.astype(jnp.float32), scale)
+    dx, dscale = vjp(dy.astype(jnp.float32))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` (fp32 math, ``gate.dtype`` out); saves only ``gate`` and ``up``."""
+    return swiglu_fp32(gate, up).astype(gate.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, dy):
+    gate, up = residuals
+    _, vjp = jax.vjp(swiglu_fp32, gate.astype(jnp.float32), up.astype(jnp.float32))
+    dgate, dup = vjp(dy.astype(jnp.float32))
+    return dgate.astype(gate.dtype), dup.astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embedding (saves only the positions).
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Context extension of RoPE by rescaled frequencies (Hugging Face ``rope_scaling``).
+
+    ``kind="linear"`` divides every frequency by ``factor`` (position interpolation);
+    ``kind="llama3"`` (Llama 3.1) divides only the low frequencies, those whose wavelength
+    exceeds ``original_max_len / low_freq_factor``, keeps those shorter than
+    ``original_max_len / high_freq_factor``, and blends linearly in between.
+    """
+
+    kind: str = "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"RopeScaling.kind={self.kind!r}: expected 'linear' or 'llama3'")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling: need 0 < low_freq_factor ({self.low_freq_factor}) < "
+                f"high_freq_factor ({self.high_freq_factor})"
+            )
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """The ``head_dim // 2`` angular frequencies ``theta^(-2i/head_dim)``, rescaled (fp32)."""
+    half = head_dim // 2
+    freqs = theta ** (-np.arange(half, dtype=np.float64) / half)
+    if scaling is not None and scaling.kind == "linear":
+        freqs = freqs / scaling.factor
+    elif scaling is not None:  # llama3
+        wavelen = 2 * np.pi / freqs
+        low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+        smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+        freqs = np.where(
+            wavelen > low_wavelen,
+            freqs / scaling.factor,
+            np.where(wavelen < high_wavelen, freqs, blended),
+        )
+    return freqs.astype(np.float32)
+
+
+def _rope_math(x, positions, theta, scaling=None):
+    freqs = jnp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # (B, T, half)
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float = 10000.0,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
+    """Rotary embedding of ``x (B, T, H, D)`` at integer ``positions (B, T)``, rotating the two
+    halves of ``D`` (Hugging Face Llama layout, so HF q/k weights load without permutation),
+    with frequencies from :func:`rope_frequencies`. Backward rotates by the opposite angle, so
+    only the positions are saved."""
+    return _rope_math(x, positions, theta, scaling)
+
+
+def _rope_fwd(x, positions, theta, scaling):
+    return _rope_math(x, positions, theta, scaling), positions
+
+
+def _rope_bwd(theta, scaling, positions, dy):
+    return _rope_math(dy, -positions, theta, scaling), None
+
+
+rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention core (BF16 in every policy).
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None):
+    """Causal attention, ``q (B, T, H, D)``, ``k, v (B, T, Hkv, D)`` with ``H % Hkv == 0``.
+
+    ``implementation``: ``"cudnn"`` (``jax.nn.dot_product_attention``'s flash kernel, GPU),
+    ``"reference"`` (:func:`_attention_reference`, any backend) or ``None``: cuDNN on a GPU
+    with bf16/fp16 inputs, the reference elsewhere.
+    """
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"attention: {q.shape[-2]} query heads not a multiple of {k.shape[-2]}")
+    if implementation is None:
+        on_gpu = jax.default_backend() == "gpu"
+        implementation = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
+    if implementation == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if implementation not in (None, "reference"):
+        raise ValueError(f"attention: unknown implementation {implementation!r}")
+    return _attention_reference(q, k, v)
+
+
+def _attention_scores(q, k):
+    b, t, h, d = q.shape
+    hkv = k.shape[-2]
+    qg = q.reshape(b, t, hkv, h // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) / math.sqrt(d)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    return jnp.where(causal, s, -jnp.inf)
+
+
+@jax.custom_vjp
+def _attention_reference(q, k, v):
+    """Flash-like reference: saves only ``q, k, v``; backward recomputes the probabilities."""
+    return _attention_math(q, k, v)
+
+
+def _attention_math(q, k, v):
+    b, t, h, d = q.shape
+    p = jax.nn.softmax(_attention_scores(q, k), axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _attention_reference_fwd(q, k, v):
+    return _attention_math(q, k, v), (q, k, v)
+
+
+def _attention_reference_bwd(residuals, do):
+    return jax.vjp(_attention_math, *residuals)[1](do)
+
+
+_attention_reference.defvjp(_attention_reference_fwd, _attention_reference_bwd)

@@ -1,0 +1,147 @@
+"""The optimizer a training config asks for, and its fused update.
+
+:func:`make_optimizer` builds from ``config.optimizer`` the optax chain (global-norm clipping,
+then ``optax.adamw`` or ``coat_jax.fp8_adamw``, warmup + cosine learning rate) and records the
+hyperparameters it used (:class:`OptimizerSetup`). :func:`make_fused_update` builds, from the
+same record, the trainer's one-pass FP8 AdamW update (``coat_jax.ops.fused_update``) where the
+kernel runs: the chain and the fused update cannot disagree on a hyperparameter, and the state
+keeps the chain's structure, so checkpoints do not depend on which path ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from coat_jax.core.adam import ScaleByFp8AdamState
+from coat_jax.ops import fused_update, optim
+from pallas_kernels import dispatch
+
+__all__ = [
+    "OptimizerSetup",
+    "decay_mask",
+    "global_norm_fp32",
+    "make_fused_update",
+    "make_optimizer",
+]
+
+
+def decay_mask(params):
+    """Decay matrices only: no decay on norms, biases or (by default) embeddings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim >= 2 and "embed" not in jax.tree_util.keystr(path), params
+    )
+
+
+def _matrices(params):
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def global_norm_fp32(tree) -> jax.Array:
+    """``optax.global_norm`` with every leaf read as fp32 (a bf16 gradient's squares summed in
+    fp32; XLA fuses the casts into the reduction, nothing is copied)."""
+    return optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSetup:
+    """An optimizer built from a config, and the values it was built with.
+
+    Attributes:
+      tx: the optax chain (what ``init`` and the unfused update run).
+      schedule: the learning-rate schedule (a function of the step count).
+      name: ``"adamw"`` or ``"fp8_adamw"``.
+      adamw: the AdamW keyword arguments both paths take (``b1``, ``b2``, ``eps``,
+        ``weight_decay``, ``mask``).
+      grad_clip: global-norm clipping threshold (0: none).
+      kernels: the ``kernels=`` option of the FP8 optimizer (``pallas_kernels.dispatch``).
+    """
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    name: str
+    adamw: dict[str, Any]
+    grad_clip: float
+    kernels: str
+
+
+def make_optimizer(o, steps: int) -> OptimizerSetup:
+    """``config.optimizer`` ``o`` as an :class:`OptimizerSetup`: global-norm clipping, then
+    AdamW or FP8 AdamW with warmup + cosine decay over ``o.decay_steps`` steps (``steps``
+    when 0)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=o.decay_steps or steps,
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    mask = _matrices if o.decay_embeddings else decay_mask
+    adamw = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    if o.name == "adamw":
+        tx = optax.adamw(schedule, **adamw)
+    else:
+        tx = optim.fp8_adamw(
+            schedule,
+            **adamw,
+            group_size=o.group_size,
+            mu_format=o.mu_format,
+            nu_format=o.nu_format,
+            expansion=o.expansion,
+            min_size=o.min_size,
+            kernels=o.kernels,
+        )
+    if o.grad_clip > 0:
+        tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
+    return OptimizerSetup(tx, schedule, o.name, adamw, float(o.grad_clip), o.kernels)
+
+
+def _counted(s) -> bool:
+    """An optax state NamedTuple with a step ``count`` (Adam's, a schedule's)."""
+    return isinstance(s, tuple) and "count" in getattr(s, "_fields", ())
+
+
+def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
+    """``update(params, grads, opt_state) -> (params, opt_state)``: ``setup``'s step (clipping,
+    FP8 AdamW, ``optax.apply_updates``) as one fused Pallas pass per parameter, or ``None``
+    where the kernel does not run.
+
+    It runs for ``fp8_adamw`` when ``setup.kernels`` resolves to the compiled or interpreted
+    ``adam_update`` kernel (``"auto"``: on a Hopper GPU once measured faster, see
+    ``pallas_kernels.dispatch``); under a multi-device placement on every device's shard.
+    Every ``count`` in the chain's state advances as the chain would. The clip scale is
+    ``max_norm / ||g||`` above the threshold, the factor ``clip_by_global_norm`` applies (the
+    products round differently: equal to fp32 rounding, not bitwise).
+    """
+    if setup.name != "fp8_adamw" or dispatch.resolve(setup.kernels, "adam_update") == "reference":
+        return None
+    specs = None
+    if placement is not None and placement.mesh.size > 1:
+        specs = jax.tree.map(lambda s: s.spec, placement.params)
+    kernels = "interpret" if setup.kernels == "interpret" else "pallas"
+    is_adam = lambda s: isinstance(s, ScaleByFp8AdamState)
+
+    def update(params, grads, opt_state):
+        (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=_counted) if is_adam(s)]
+        clip = 1.0
+        if setup.grad_clip > 0:
+            norm = global_norm_fp32(grads)
+            clip = jnp.where(norm < setup.grad_clip, 1.0, setup.grad_clip / norm)
+        params, new_adam = fused_update.fp8_adamw_update(
+            params, grads, adam, setup.schedule, **setup.adamw, clip_scale=clip,
+            kernels=kernels, specs=specs,
+        )  # fmt: skip
+
+        def advance(s):  # Adam's state, and every other count (the schedule's) with it
+            if is_adam(s):
+                return new_adam
+            return s._replace(count=new_adam.count) if _counted(s) else s
+
+        return params, jax.tree.map(advance, opt_state, is_leaf=_counted)
+
+    return update

@@ -1,0 +1,147 @@
+"""coat_jax.training.step and .optimizer: the jitted train step, gradient accumulation, bf16
+gradients, and the fused FP8 AdamW update against the optax chain it replaces."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coat_jax.models.llama import Llama
+from coat_jax.training import configs
+from coat_jax.training.optimizer import make_fused_update, make_optimizer
+from coat_jax.training.step import make_train_step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny(**optimizer):
+    """llama_tiny's config, model config, graph and (real) params."""
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"))
+    config.optimizer.update(**optimizer)
+    model_config = configs.llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
+    return config, model_config, graph, params
+
+
+def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch():
+    """With grad_accum > 1, XLA hoists the (loop-invariant) weight quantization out of the
+    micro-batch loop: no FP8 weight-shaped value is produced inside the loop body."""
+    config, model_config, graph, params = tiny()
+    optimizer = make_optimizer(config.optimizer, config.steps).tx
+    step = make_train_step(graph, optimizer)
+    batch = jnp.zeros((4, 2, 65), jnp.int32)
+    hlo = step.lower(params, optimizer.init(params), batch).compile().as_text()
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) .*\{$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(line)
+    (body,) = re.findall(r"while\(.*?body=(%?[\w.\-]+)", hlo)
+    inside, todo = {body}, [body]
+    while todo:
+        for line in computations.get(todo.pop(), []):
+            for callee in re.findall(r"(?:calls|to_apply|body|condition)=(%?[\w.\-]+)", line):
+                if callee not in inside:
+                    inside.add(callee)
+                    todo.append(callee)
+    d, f = model_config.dim, model_config.ffn_dim
+    kv = model_config.kv_heads * model_config.head_dim
+    shapes = "|".join(f"{a},{b}" for a, b in [(d, d), (d, kv), (d, f), (f, d)])
+    pattern = re.compile(rf"= f8e4m3fn\[({shapes})\]")
+
+    def count(names):
+        return sum(len(pattern.findall(line)) for n in names for line in computations[n])
+
+    assert count(set(computations) - inside) > 0
+    assert count(inside) == 0
+
+
+def test_fused_optimizer_step_matches_the_optax_chain():
+    """``make_fused_update`` (the adam_update kernel, interpreted here) against
+    ``make_optimizer``'s chain + ``apply_updates``, from the same start over 3 steps with
+    clipping active: losses and parameters to fp32 rounding of the moments' FP8 codes (a code one
+    step apart moves a parameter by at most lr x the update's change), the state's structure
+    and every count identical."""
+    config, model_config, graph, params = tiny(kernels="interpret", grad_clip=0.05, warmup_steps=1)
+    setup = make_optimizer(config.optimizer, 3)
+    optimizer, fused = setup.tx, make_fused_update(setup)
+    assert fused is not None
+    config.optimizer.kernels = "reference"
+    assert make_fused_update(make_optimizer(config.optimizer, 3)) is None
+    runs = {}
+    for name, update in (("chain", None), ("fused", fused)):
+        step = make_train_step(graph, optimizer, fused_update=update)
+        p, s = jax.tree.map(jnp.copy, params), optimizer.init(params)
+        losses = []
+        for i in range(3):
+            batch = jax.random.randint(jax.random.key(i), (1, 4, 33), 0, model_config.vocab_size)
+            p, s, metrics = step(p, s, batch)
+            losses.append(float(metrics["loss"]))
+        runs[name] = (p, s, losses)
+    (p_c, s_c, l_c), (p_f, s_f, l_f) = runs["chain"], runs["fused"]
+    assert metrics["grad_norm"] > 0.05  # clipping was active
+    np.testing.assert_allclose(l_f, l_c, rtol=1e-5)
+    assert jax.tree.structure(s_f) == jax.tree.structure(s_c)
+    counts = lambda s: [x for x in jax.tree.leaves(s) if x.dtype == jnp.int32 and x.ndim == 0]
+    assert [int(c) for c in counts(s_f)] == [int(c) for c in counts(s_c)]
+    assert int(counts(s_f)[0]) == 3
+    lr = config.optimizer.lr
+    for a, b in zip(jax.tree.leaves(p_f), jax.tree.leaves(p_c), strict=True):
+        np.testing.assert_allclose(a, b, atol=0.05 * lr, rtol=0)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_bf16_gradients_reach_the_fused_update_and_train_like_fp32(grad_accum):
+    """grad_dtype=bfloat16: with one micro-batch the fused update receives bf16 gradients (no
+    fp32 buffer), with two they are summed in fp32; the chain always gets fp32. Losses over 4
+    steps follow the fp32-gradient run (bf16 rounding of weights and gradients: 1%), the
+    gradient norm is an fp32 scalar."""
+    config, model_config, graph, params = tiny(kernels="interpret", warmup_steps=1)
+    setup = make_optimizer(config.optimizer, 4)
+    optimizer, fused = setup.tx, make_fused_update(setup)
+    seen = []
+
+    def spy(params, grads, opt_state):  # runs while tracing
+        seen.append({jnp.dtype(g.dtype).name for g in jax.tree.leaves(grads)})
+        return fused(params, grads, opt_state)
+
+    shape = (grad_accum, 4 // grad_accum, 33)
+    losses = {}
+    for dtype, update in (("float32", fused), ("bfloat16", spy), ("chain", None)):
+        step = make_train_step(
+            graph, optimizer, fused_update=update,
+            grad_dtype=jnp.float32 if dtype == "chain" else dtype,
+        )  # fmt: skip
+        p, s = jax.tree.map(jnp.copy, params), optimizer.init(params)
+        losses[dtype] = []
+        batch = jax.random.randint(jax.random.key(0), shape, 0, model_config.vocab_size)
+        for _ in range(4):  # one batch, learnt
+            p, s, metrics = step(p, s, batch)
+            losses[dtype].append(float(metrics["loss"]))
+        assert metrics["grad_norm"].dtype == jnp.float32
+    assert seen == [{"bfloat16"}] if grad_accum == 1 else seen == [{"float32"}]
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=1e-2)
+    assert losses["float32"][-1] < losses["float32"][0]
+    with pytest.raises(ValueError, match="grad_dtype"):
+        make_train_step(graph, optimizer, grad_dtype=jnp.float16)
+
+
+def test_bf16_gradients_sum_embedding_rows_in_fp32():
+    """With grad_dtype=bfloat16 every scatter-add of the step (the embedding gradient sums the
+    rows of repeated tokens) runs in fp32, the result cast once: a bf16 scatter-add rounds at
+    each repeat (and runs as compare-and-swap loops on a GPU)."""
+    config, model_config, graph, params = tiny()
+    optimizer = make_optimizer(config.optimizer, config.steps).tx
+    step = make_train_step(graph, optimizer, grad_dtype=jnp.bfloat16)
+    batch = jax.ShapeDtypeStruct((1, 2, 33), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(step)(params, optimizer.init(params), batch))
+    scatters = re.findall(r":(\w+)\[([\d,]*)\] = scatter-add", jaxpr)
+    table = f"{model_config.vocab_size},{model_config.dim}"
+    assert ("f32", table) in scatters, scatters
+    assert all(dtype == "f32" for dtype, _ in scatters), scatters
