@@ -1,9 +1,10 @@
-"""fp8_adamw in five minutes: the same tiny LM trained with optax.adamw and coat_jax.fp8_adamw.
+"""fp8_adamw in five minutes: the tiny Llama trained with optax.adamw and coat_jax.fp8_adamw.
 
   python examples/fp8_adamw_quickstart.py [--steps 300]
 
 Prints the optimizer-state bytes of a Llama-2-7B-shaped parameter tree (computed abstractly,
-nothing allocated) and the training loss of each optimizer on the CPU or GPU.
+nothing allocated) and the training loss of each optimizer on the tiny Llama
+(``PRESETS["tiny"]``, bf16) on the Python standard library's source bytes, on the CPU or GPU.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 import coat_jax
-from coat_jax.tools import tiny_lm
+from coat_jax.tools.quant_error import train_llama
 
 
 def llama2_7b_shapes() -> dict:
@@ -48,7 +49,7 @@ def main():
         b = state_bytes(opt, params)
         print(f"  {name:12s} {b / 2**30:6.1f} GiB  ({b / n:.3f} bytes/param)")
 
-    print(f"\nTiny byte LM, {args.steps} steps on {jax.devices()[0].device_kind}:")
+    print(f"\nTiny Llama, {args.steps} steps on {jax.devices()[0].device_kind}:")
     optimizers = {
         "optax.adamw": optax.adamw(3e-3),
         "fp8_adamw": coat_jax.fp8_adamw(3e-3, min_size=0),
@@ -56,7 +57,7 @@ def main():
     }
     for name, opt in optimizers.items():
         start = time.perf_counter()
-        losses, _, _ = tiny_lm.train(opt, args.steps)
+        losses, _, _ = train_llama(opt, args.steps)
         print(
             f"  {name:24s} loss {losses[:10].mean():.3f} -> {losses[-30:].mean():.3f}"
             f"  ({time.perf_counter() - start:.1f} s)"

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from coat_jax.models import llama
-from coat_jax.tools import tiny_lm
+from coat_jax.training.data import BatchSampler, ByteTokenizer, load_tokens
 
 TINY = llama.PRESETS["tiny"]
 
@@ -73,22 +73,20 @@ def test_model_gradients_against_fp32():
 
 
 def train_tiny(precision, steps=300, seq=64, batch=16):
-    data = jnp.asarray(tiny_lm.corpus_bytes(), jnp.int32)
+    sampler = BatchSampler(load_tokens("stdlib", ByteTokenizer()), seq, batch, seed=1)
     graph, params = nnx.split(build(precision))
     opt = optax.adamw(3e-3, weight_decay=0.0)
     state = opt.init(params)
 
     @jax.jit
-    def step(params, state, key):
-        starts = jax.random.randint(key, (batch,), 0, data.shape[0] - seq - 1)
-        tokens = data[starts[:, None] + jnp.arange(seq + 1)]
+    def step(params, state, tokens):
         loss, g = jax.value_and_grad(lambda p: llama.loss_fn(nnx.merge(graph, p), tokens))(params)
         updates, state = opt.update(g, state, params)
         return optax.apply_updates(params, updates), state, loss
 
     losses = []
-    for key in jax.random.split(jax.random.key(1), steps):
-        params, state, loss = step(params, state, key)
+    for i in range(steps):
+        params, state, loss = step(params, state, sampler.batch(i, "train"))
         losses.append(loss)
     return np.asarray(losses)
 
@@ -98,7 +96,7 @@ def test_fp8_policies_train_like_bf16():
     curves = {p: train_tiny(p) for p in ("bf16", "fp8_linear", "coat")}
     final = {p: float(c[-30:].mean()) for p, c in curves.items()}
     print("tiny Llama final loss per policy:", final)
-    assert final["bf16"] < curves["bf16"][:10].mean() - 2.0
+    assert final["bf16"] < curves["bf16"][0] - 3.0  # from ~6 nats to below the byte entropy
     for p in ("fp8_linear", "coat"):
         assert abs(final[p] / final["bf16"] - 1) < 0.03
 

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import coat_jax
-from coat_jax.tools import tiny_lm
+from coat_jax.core.quant import QuantizedArray
+from coat_jax.tools.quant_error import train_llama
 
 
 def train_regression(opt, steps=400, seed=0):
@@ -63,10 +64,19 @@ def test_mlp_regression_matches_adamw():
 
 
 @pytest.mark.slow
-def test_tiny_transformer_lm_matches_adamw():
-    losses = {name: tiny_lm.train(make(3e-3), steps=300)[0] for name, make in OPTIMIZERS.items()}
+def test_tiny_llama_matches_adamw():
+    """The tiny Llama (bf16) on the stdlib bytes; min_size=0 gives every matrix FP8 moments."""
+    runs = {name: train_llama(make(3e-3), steps=300) for name, make in OPTIMIZERS.items()}
+    losses = {name: run[0] for name, run in runs.items()}
+    for name in ("fp8", "fp8_no_expansion"):  # every parameter's moments really are FP8
+        params, state = runs[name][1], runs[name][2][0]
+        moments = jax.tree.leaves(state.mu, is_leaf=lambda x: isinstance(x, QuantizedArray))
+        assert len(moments) == len(jax.tree.leaves(params))
+        assert all(isinstance(m, QuantizedArray) for m in moments)
+        assert all(m.data.dtype == jnp.float8_e4m3fn for m in moments)
     final = {name: float(curve[-30:].mean()) for name, curve in losses.items()}
-    print("tiny LM final loss:", final)
-    assert final["adamw"] < losses["adamw"][:10].mean() - 2.0  # it really learns
+    print("tiny Llama final loss:", final)
+    # It really learns: from ~6 nats at init to below the corpus's byte entropy (3.1 nats).
+    assert final["adamw"] < losses["adamw"][0] - 3.0
     assert abs(final["fp8"] / final["adamw"] - 1) < 0.02
     assert np.isfinite(final["fp8_no_expansion"])
