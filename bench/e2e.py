@@ -2,81 +2,36 @@
 
 COAT (arXiv 2410.19313) reports for Llama-2-7B at context 2048 on H100s 80 GB: 1.54x less peak
 memory than BF16 at the same batch (4 GPUs, batch 2), twice the largest batch, 1.45x-1.85x the
-tokens/s (``PAPER`` below). This script measures the same three things on one device (or on N
-with ``--fsdp N``) for ``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like
-FP8 GEMMs) and ``coat+fp8_adamw`` (FP8 activations and FP8 optimizer states), and the ratios
-against our targets (``TARGETS``: >= 1.7x less memory, >= 4x the batch, >= 1.5x the tokens/s).
+tokens/s (``PAPER``). This script measures the same three things on one device (or on N with
+``--fsdp N``) for ``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like FP8
+GEMMs) and ``coat+fp8_adamw`` (FP8 activations and optimizer states; a policy may end in
+``+bf16_grads``), and the ratios against our targets (``TARGETS``).
 
-Reproducing the results (one H200; about 12-15 GPU minutes for the 7B, 3-5 for the 1.1B):
-
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --time_budget_s 900 \\
+  PYTHONPATH=. python3 bench/e2e.py --time_budget_s 900 \\
       --json bench/results/e2e_llama2_7b_h200_$(date +%F).json
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b \\
-      --time_budget_s 300 --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
+  PYTHONPATH=. python3 bench/e2e.py --model tinyllama_1b --time_budget_s 300 \\
+      --json bench/results/e2e_tinyllama_1b_h200_$(date +%F).json
   # any shape: --model llama2_7b --set model.n_layers=8 (keys of configs.base_config)
-  # bf16 gradients (train.py's grad_dtype=bfloat16) as a policy of its own:
-  #   --policies bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads
-
-On N GPUs of one host (issue 10; ``bench/multi_gpu.sh`` runs this with N = the GPU count), FSDP
-over a ``(data 1, fsdp N, tensor 1)`` mesh, ``--batch`` the global batch (a multiple of N); 8 H200s:
-
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/e2e.py --model llama2_7b \\
-      --fsdp 8 --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \\
-      --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
-
-Memory figures are then per GPU (the peak of the fullest device; the plans are XLA's per-device
-analysis), MFU per GPU, tokens/s both in total and per GPU (``tokens_per_s_per_device``, what
-the paper reports), and the largest-batch search moves N sequences (one per GPU) at a time.
-Policies run on separate GPUs in parallel can be joined into one table (same model, seq_len,
-batch, fsdp and --set, else refused):
-
-  CUDA_VISIBLE_DEVICES=0 ... bench/e2e.py --policies bf16+adamw --json a.json &
-  CUDA_VISIBLE_DEVICES=1 ... bench/e2e.py --policies coat+fp8_adamw --json b.json; wait
+  # bf16 gradients: --policies bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads
+  # FSDP over the first N devices, --batch global (bench/multi_gpu.sh):
+  PYTHONPATH=. python3 bench/e2e.py --fsdp 8 --batch 8 --policies bf16+adamw,coat+fp8_adamw \\
+      --time_budget_s 540 --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
+  # policies run on separate GPUs, joined into one table (same run settings, else refused):
+  CUDA_VISIBLE_DEVICES=0 ... --policies bf16+adamw --json a.json &
+  CUDA_VISIBLE_DEVICES=1 ... --policies coat+fp8_adamw --json b.json; wait
   PYTHONPATH=. python3 bench/e2e.py --merge a.json b.json --json e2e.json
 
-Method. Each policy runs in two child processes (``--one POLICY --phase fixed``, then
-``--phase search``), so that the device's ``peak_bytes_in_use``, which cannot be reset, is that
-policy's own, and so that the search's first device step is its largest: XLA's BFC allocator
-keeps the regions it has carved (batch 1's temp buffer, ~23 GB for the 7B) cached as free, and
-a larger step's temp buffer (one contiguous chunk) then cannot get a new region under the limit
-(cached free + live params/state + new temp > limit): on an H200, batch 5, 4 and 3 of the 7B
-all ran out of memory after batch 1 had run in the same process, though their plans fit.
-Largest-first in a fresh process was not enough either (H200, same day: batch 5 of the 7B,
-plan 139.4 GB of 142.6, still failed to get its 58.5 GB temp buffer with allocator growth on:
-regions carved while the parameters were created do not coalesce with one another), so the
-search child runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=true``: one region, whose freed chunks
-coalesce (its peak, ``peak_bytes_in_use``, counts buffers in use, not the region).
-Children get ``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem_fraction`` (0.95: the allocator may use 95%
-of the GPU, not JAX's default 75%). The model comes from ``coat_jax.models.llama.init_params``
-and the step from ``coat_jax.train_loop.make_train_step`` (fp32 master weights and gradients,
-grad_accum 1, params and state donated); data are uniform random tokens (synthetic: the step's
-cost does not depend on them). Per policy, at most ``--max_compiles`` (4) compiles of the step:
-
-1. (fixed child) the fixed ``--batch``: compiled (with ``coat_jax.planner.memory_plan``: params,
-   gradients, optimizer state, saved activations, XLA's compiled total), run: ``--warmup``
-   steps, then the median of ``--steps`` timed steps (``jax.block_until_ready``) gives tokens/s
-   and MFU, and the device's peak memory after it is the policy's peak at that batch. ``slack``
-   = measured peak - compiled total (XLA's autotuning scratch, allocator rounding; 6% of the
-   plan if not measured). The child writes its JSON and exits;
-2. (search child, given that JSON; only with a memory limit and time left) a probe batch: the
-   planner's analytic model (``params + state + max(activations + 2 logits, gradients) +
-   workspace``, scaled from step 1) predicts the largest batch; the step is compiled there
-   (memory analysis only: compiles allocate nothing on the device);
-3. a line through the two compiled totals predicts the largest batch ``b`` with
-   ``total(b) + slack <= device limit``; ``b`` is compiled, then params and optimizer state are
-   created (once) and ``b`` is run (timed as in 1): the child's first device step;
-4. if that does not fit: with its compiled plan over the limit, the batch the line through
-   ``b`` and the nearest other compiled batch predicts (``batch_below``; XLA's totals grow
-   faster than linearly at large batches); after RESOURCE_EXHAUSTED, ``b - N`` (after an OOM
-   nothing new is cached, so going down works where going up does not). If the fixed batch
-   did not fit, the search starts below it. ``runs`` lists the batches run, in order.
-
-Compiles go to a persistent cache (``--cache_dir``), so a second invocation on the same machine
-skips them. ``--time_budget_s`` bounds the whole run: each policy gets an equal share of what is
-left (its search child what its fixed child left of it), a child is killed 300 s past its share,
-and the search skips its remaining phases once past it; the JSON keeps what was measured.
-Per-phase wall times are printed and stored. On a CPU there is no memory limit or peak:
-those fields are None unless ``--device_limit_gb`` sets a limit to search against.
+How: each policy's run comes from ``coat_jax.training.run.assemble`` (train.py's step, on a
+``(data 1, fsdp N, tensor 1)`` mesh; synthetic tokens) and runs in two child processes, each
+under train.py's allocator (``coat_jax.training.allocator``; variables you set win). The first
+compiles the fixed ``--batch`` (``planner.memory_plan``) and runs it: the median of ``--steps``
+timed steps (``coat_jax.core.measure``) gives tokens/s and MFU, the device's peak memory after
+them the policy's peak. The second finds the largest batch by compiles alone
+(``planner.largest_batch``, at most ``--max_compiles``) and runs it, one step (N sequences)
+lower after each out-of-memory. Memory figures are per device (the fullest), beside the
+allocator's settings; a CPU has neither limit nor peak, and searches only against
+``--device_limit_gb``. ``--time_budget_s`` splits the time over the policies; compiles go to a
+persistent cache (``--cache_dir``). Method and its history: docs/bench-methods.md.
 """
 
 from __future__ import annotations
@@ -121,7 +76,7 @@ PLAN_KEYS = ("params", "grads", "optimizer_state", "activations_estimate", "logi
              "workspace_estimate", "analytic_total", "compiled_temp", "compiled_total")  # fmt: skip
 # Flags a child inherits from the parent (besides --set).
 FORWARD = ("model", "seq_len", "batch", "fsdp", "steps", "warmup", "max_compiles",
-           "device_limit_gb", "slack_fraction", "cache_dir", "seed")  # fmt: skip
+           "device_limit_gb", "cache_dir", "seed")  # fmt: skip
 # Run settings that must agree between the JSONs that --merge combines.
 SAME = ("model", "seq_len", "batch", "fsdp", "set")
 
@@ -142,12 +97,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--steps", type=int, default=6, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    parser.add_argument("--max_compiles", type=int, default=4, help="per policy")
-    parser.add_argument("--mem_fraction", type=float, default=0.95,
-                        help="XLA_PYTHON_CLIENT_MEM_FRACTION of each child")  # fmt: skip
-    parser.add_argument("--device_limit_gb", type=float, help="search against this limit instead")
-    parser.add_argument("--slack_fraction", type=float, default=0.06,
-                        help="peak over compiled plan, when no peak is measured")  # fmt: skip
+    parser.add_argument("--max_compiles", type=int, default=4, help="of the largest-batch search")
+    parser.add_argument("--device_limit_gb", type=float,
+                        help="the limit per device (config.memory_limit_gb)")  # fmt: skip
     parser.add_argument("--cache_dir", default=os.path.join("runs", "xla_cache"),
                         help="persistent compilation cache")  # fmt: skip
     parser.add_argument("--time_budget_s", type=float, help="stop searching after this long")
@@ -166,8 +118,8 @@ def parse_args(argv=None):
 def bench_config(args, policy: str):
     """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, optionally
     ``"+bf16_grads"`` (``grad_dtype=bfloat16``, e.g. ``coat+fp8_adamw+bf16_grads``)."""
-    from coat_jax import configs
     from coat_jax.models.llama import PRESETS
+    from coat_jax.training import configs
 
     precision, _, optimizer = policy.partition("+")
     optimizer, _, grads = optimizer.partition("+")
@@ -182,6 +134,9 @@ def bench_config(args, policy: str):
         raise ValueError(f"--model {args.model!r}: expected one of {list(PRESETS) + list(MODELS)}")
     config.precision, config.optimizer.name = precision, optimizer
     config.seq_len, config.batch_size, config.seed = args.seq_len, args.batch, args.seed
+    config.mesh.update(data=1, fsdp=args.fsdp, tensor=1)
+    if args.device_limit_gb:
+        config.memory_limit_gb = args.device_limit_gb
     if grads:
         config.grad_dtype = "bfloat16"
     configs.apply_overrides(config, configs.parse_overrides(args.set))
@@ -197,11 +152,8 @@ def check_args(args) -> None:
         raise ValueError(
             f"--batch {args.batch} (global) must be a positive multiple of --fsdp {args.fsdp}"
         )
-
-
-def check_devices(n: int) -> None:
-    if n > jax.device_count():
-        raise ValueError(f"--fsdp {n}: only {jax.device_count()} devices here")
+    if args.steps < 1 or args.warmup < 0 or args.max_compiles < 1:
+        raise ValueError("--steps and --max_compiles must be >= 1, --warmup >= 0")
 
 
 def is_oom(error: Exception) -> bool:
@@ -209,53 +161,49 @@ def is_oom(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = None) -> dict:
-    """Child: one phase of one policy, in this process; the result is rewritten to ``args.out``
-    after each step, so a parent that has to kill it still gets what was measured.
+def first_that_runs(b: int, n: int, attempt):
+    """Tries ``b``, ``b - n``, ... down to ``n``: ``attempt(batch)`` returns its row (``"oom"``
+    true if it ran out of memory) or ``None`` to stop. Returns ``(batch, row)`` of the first
+    that ran, ``(0, None)`` if none did, ``(None, None)`` if stopped."""
+    while b >= n:
+        row = attempt(b)
+        if row is None:
+            return None, None
+        if not row["oom"]:
+            return b, row
+        b -= n
+    return 0, None
 
-    ``phase_name`` "fixed": compile and run the fixed batch (the result's ``fixed``, ``plans``,
-    ``slack_bytes``). "search": continue ``fixed`` (phase 1's result) with the largest-batch
-    search, whose first device step is its largest candidate (see the module's Method)."""
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
-    from coat_jax import configs, parallel, planner, sharding, train_loop
-    from coat_jax.models.llama import Llama, init_params
+def measure_policy(args, policy: str, fixed: dict | None = None) -> dict:
+    """Child: the fixed batch of ``policy`` (``fixed`` None) or, continuing ``fixed`` (the
+    first child's result), the largest batch; the result is rewritten to ``args.out`` after
+    each phase, so a parent that has to kill the child still gets what was measured."""
+    from coat_jax.core import measure
+    from coat_jax.training import metrics, planner
+    from coat_jax.training.run import assemble
 
-    n = args.fsdp  # main() checked it against the devices (check_devices)
-    started = time.perf_counter()
-    deadline = started + args.time_budget_s if args.time_budget_s else math.inf
+    n, b0, seq = args.fsdp, args.batch, args.seq_len
+    deadline = time.perf_counter() + args.time_budget_s if args.time_budget_s else math.inf
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-    config = bench_config(args, policy)
-    model_config = configs.llama_config(config)
-    optimizer, schedule = train_loop.make_optimizer(config.optimizer, config.steps)
-    graph, abstract = nnx.split(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
-    abstract_state = jax.eval_shape(optimizer.init, abstract)
-    # One device: no mesh, no placement (the unsharded step); N: FSDP over the first N.
-    mesh = sharding.make_mesh(data=1, fsdp=n, tensor=1, devices=jax.devices()[:n])
-    placement = parallel.make_placement(mesh, abstract, optimizer) if n > 1 else None
-    on_mesh = (lambda: jax.set_mesh(mesh)) if placement else contextlib.nullcontext
-    train_step, fused = train_loop.config_train_step(config, graph, optimizer, schedule, placement)
-    devices = list(mesh.devices.flat)
-    device = devices[0]
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    limit = (
-        args.device_limit_gb * 1e9
-        if args.device_limit_gb
-        else (None if None in limits else min(limits))
-    )
-    seq, b0 = args.seq_len, args.batch
-    if fixed is not None:  # the search phase continues phase 1's result
-        result = dict(fixed, runs=list(fixed.get("runs", [])))
+    if n > jax.device_count():
+        raise ValueError(f"--fsdp {n}: only {jax.device_count()} devices here")
+    devices = jax.devices()[:n]
+    run = assemble(bench_config(args, policy), devices=devices)
+    mesh = run.placement.mesh
+    limit = planner.device_limit(run)
+    room = limit - planner.MARGIN if limit else None
+    if fixed is not None:
+        result = dict(fixed, runs=list(fixed["runs"]))
         result.pop("returncode", None)
     else:
         result = {
-            "policy": policy, "fused_optimizer": fused, "device": device.device_kind,
-            "devices": n, "mesh": dict(mesh.shape), "jax": jax.__version__,
-            "device_limit_bytes": limit, "params": model_config.num_params(), "compiles": 0,
-            "plans": {}, "fixed": None, "max": None, "max_batch": None, "search": None,
-            "phases_s": {}, "runs": [],
+            "policy": policy, "fused_optimizer": run.fused_update,
+            "device": devices[0].device_kind, "devices": n, "mesh": dict(mesh.shape),
+            "jax": jax.__version__, "allocator": measure.allocator_settings(),
+            "device_limit_bytes": limit, "margin_bytes": planner.MARGIN,
+            "params": run.model.num_params(), "plans": {}, "fixed": None, "max": None,
+            "max_batch": None, "search": None, "phases_s": {}, "runs": [],
         }  # fmt: skip
     label = "" if fixed is None else " (search)"
 
@@ -276,77 +224,49 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
             print(f"[{policy}] {name}: {seconds:.1f} s", flush=True)
             save()
 
-    def fresh_state():
-        params = init_params(model_config, args.seed, placement and placement.params)[1]
-        if placement:
-            return params, jax.block_until_ready(placement.init_opt_state(optimizer, params))
-        return params, jax.block_until_ready(jax.jit(optimizer.init)(params))
+    def create():
+        with phase("init params + optimizer state" + label):
+            return jax.block_until_ready(run.create())
 
-    def peak_bytes():  # per device: the largest over the mesh's devices
-        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
-        return None if None in peaks else max(peaks)
-
-    compiled = {}
-    plans = {int(b): plan for b, plan in result["plans"].items()}  # phase 1's, in the search
-
-    def compile_at(b):
-        batch = jax.ShapeDtypeStruct((1, b, seq + 1), jnp.int32)
-        with phase(f"compile batch {b}"), on_mesh():
-            plans[b] = planner.memory_plan(
-                train_step, graph, abstract, abstract_state, batch, model_config, placement,
-                config.grad_dtype,
-            )  # fmt: skip
-            compiled[b] = train_step.lower(abstract, abstract_state, batch).compile()  # cached
-        result["compiles"] += 1
-        result["plans"][str(b)] = {k: plans[b][k] for k in PLAN_KEYS}
-        return compiled[b]
-
-    def run_at(b, params, opt_state, reinit=True):
-        """Timed steps at batch ``b``: (row, params, opt_state); re-created after an OOM if
-        they were donated and ``reinit``."""
+    def run_at(b, state):
+        """``(row, state)``: timed steps at batch ``b`` (``state`` donated; re-created after an
+        out-of-memory in the search child)."""
         result["runs"].append(b)
-        tokens = jax.random.randint(jax.random.key(b), (1, b, seq + 1), 0, model_config.vocab_size)
-        if placement:
-            tokens = jax.device_put(tokens, placement.batch)
-        times, step = [], compiled[b]
+        tokens = jax.random.randint(jax.random.key(b), run.batch_shape(b), 0, run.model.vocab_size)
+        tokens = jax.device_put(tokens, run.placement.batch)
+        step = lambda carry: run.train_step(carry[0], carry[1], tokens)
         try:
-            with phase(f"run batch {b}"):
-                for i in range(args.warmup + args.steps):
-                    start = time.perf_counter()
-                    params, opt_state, metrics = step(params, opt_state, tokens)
-                    jax.block_until_ready(metrics)
-                    if i >= args.warmup:
-                        times.append(time.perf_counter() - start)
-        except Exception as e:  # noqa: BLE001 - only an OOM is expected; others re-raise
+            with phase(f"run batch {b}"), jax.set_mesh(mesh):
+                timing, carry = measure.time_loop(step, (*state, None), warmup=args.warmup,
+                                                  iters=args.steps)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - only an out-of-memory is expected
             if not is_oom(e):
                 raise
             print(f"[{policy}] batch {b}: out of memory", flush=True)
-            if reinit and any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
-                with phase(f"re-init after OOM at batch {b}"):
-                    params, opt_state = fresh_state()
-            return {"batch": b, "oom": True}, params, opt_state
-        seconds = float(np.median(times))
-        row = {"batch": b, "oom": False, "step_s": seconds, "step_s_min": float(min(times)),
-               "tokens_per_s": b * seq / seconds, "tokens_per_s_per_device": b * seq / seconds / n,
-               "loss": float(metrics["loss"]), "peak_bytes": peak_bytes()}  # fmt: skip
-        row["mfu"] = train_loop.mfu(model_config, seq, row["tokens_per_s"], n)  # per device
-        return row, params, opt_state
+            if fixed is not None and any(x.is_deleted() for x in jax.tree.leaves(state)):
+                state = create()
+            return {"batch": b, "oom": True}, state
+        tokens_per_s = b * seq / (timing.median_ms / 1e3)
+        row = {"batch": b, "oom": False, "step_s": timing.median_ms / 1e3,
+               "step_s_min": timing.min_ms / 1e3, "tokens_per_s": tokens_per_s,
+               "tokens_per_s_per_device": tokens_per_s / n, "loss": float(carry[2]["loss"]),
+               "peak_bytes": measure.device_memory(devices).peak,
+               "mfu": metrics.mfu(run.model, seq, tokens_per_s, n, run.config.peak_tflops),
+               }  # fmt: skip
+        return row, carry[:2]
 
-    if fixed is None:  # phase 1: the fixed batch, then exit (the search runs in a new process)
-        compile_at(b0)
-        plan0 = plans[b0]
-        if limit and plan0["compiled_total"] > limit:
+    if fixed is None:  # the fixed batch, then exit (the search runs in a new process)
+        with phase(f"compile batch {b0}"):
+            plan = planner.memory_plan(run, b0)
+        result["plans"][str(b0)] = {k: plan[k] for k in PLAN_KEYS}
+        if room is not None and plan["compiled_total"] > room:
             result["fixed"] = {"batch": b0, "oom": True, "reason": "compiled plan over the limit"}
         else:
-            with phase("init params + optimizer state"):
-                params, opt_state = fresh_state()
-            result["fixed"], params, opt_state = run_at(b0, params, opt_state, reinit=False)
-            del params, opt_state
-        fixed_peak = result["fixed"].get("peak_bytes")
-        slack = fixed_peak - plan0["compiled_total"] if fixed_peak else None
-        if slack is None or slack < 0:
-            slack = args.slack_fraction * plan0["compiled_total"]
-        result["slack_bytes"] = slack
+            result["fixed"], _ = run_at(b0, create())
+            if result["fixed"].get("peak_bytes"):
+                result["fixed"]["peak_over_plan_bytes"] = (
+                    result["fixed"]["peak_bytes"] - plan["compiled_total"]
+                )
         if not limit:
             result["search"] = "skipped: the device reports no memory limit (see --device_limit_gb)"
         elif result["fixed"]["oom"] and b0 == n:
@@ -354,90 +274,33 @@ def measure(args, policy: str, phase_name: str = "fixed", fixed: dict | None = N
         save()
         return result
 
-    # Phase 2, the search: compiles only (no device memory beyond what XLA keeps for the
-    # executables) until the largest candidate; then runs from the largest down.
-    plan0, slack = plans[b0], result["slack_bytes"]
-    fits = lambda b: plans[b]["compiled_total"] + slack <= limit
-
-    # The plans are per device; batches are global, in steps of n (one sequence more per device).
-    def analytic(b):  # the planner's analytic total at global batch b, scaled from the fixed one
-        per = lambda key: plan0[key] / b0  # per device, per global sequence
-        activations = (per("activations_estimate") + 2 * per("logits_estimate")) * b
-        return (plan0["params"] + plan0["optimizer_state"] + max(activations, plan0["grads"])
-                + per("workspace_estimate") * b)  # fmt: skip
-
-    b_analytic = 0
-    while b_analytic < 4096 * n and analytic(b_analytic + n) + slack <= limit:
-        b_analytic += n
-    result["predicted_max_batch_analytic"] = b_analytic
-    fixed_oom = result["fixed"]["oom"]
-    probe = max(n, min(b_analytic, b0 - n)) if fixed_oom else max(b_analytic, b0 + n)
+    # The search: compiles only, then the largest batch runs first (docs/bench-methods.md).
     if time.perf_counter() > deadline:
-        result["search"] = "stopped: time budget (before the probe compile)"
+        result["search"] = "stopped: time budget (before the search)"
         save()
         return result
-    compile_at(probe)
-    totals = lambda: {x: plan["compiled_total"] for x, plan in plans.items()}
-    b, slope = batch_on_line(probe, b0, totals(), limit - slack, n)
-    b = min(max(probe if b is None else b, n), 4 * max(probe, b0))
-    if fixed_oom:  # batch b0 did not fit: below it
-        b = min(b, b0 - n)
-    result["predicted_max_batch"] = b
-    result["compiled_bytes_per_sequence"] = slope
-    result["search"] = "done"
-    params = opt_state = None  # created once, just before the first (largest) run
-    while True:
-        if b < n:
-            result["max_batch"] = 0
-            break
-        if b == b0 and not fixed_oom:
-            result["max_batch"], result["max"] = b0, result["fixed"]
-            break
+    with phase("largest batch by compiles"):
+        largest = planner.largest_batch(run, max_compiles=args.max_compiles)
+    print(f"[{policy}] {largest.describe()}", flush=True)
+    result["compiled_totals"] = {str(b): t for b, t in sorted(largest.compiled_totals.items())}
+    result["predicted_max_batch"] = largest.batch_size
+    fixed_row, result["search"] = result["fixed"], "done"
+    state = None
+
+    def attempt(b):
+        nonlocal state
+        if b == b0 and not fixed_row["oom"]:
+            return fixed_row  # ran in the first child
         if time.perf_counter() > deadline:
             result["search"] = f"stopped: time budget (before trying batch {b})"
-            break
-        if b not in compiled:
-            if result["compiles"] >= args.max_compiles:
-                result["search"] = f"stopped: {args.max_compiles} compiles (before batch {b})"
-                break
-            compile_at(b)
-        if not fits(b):
-            b_next = batch_below(b, totals(), limit - slack, n)
-            print(f"[{policy}] batch {b}: plan + slack over the limit, next {b_next}", flush=True)
-            b = b_next
-            continue
-        if params is None:
-            with phase("init params + optimizer state" + label):
-                params, opt_state = fresh_state()
-        row, params, opt_state = run_at(b, params, opt_state)
-        if not row["oom"]:
-            result["max_batch"], result["max"] = b, row
-            break
-        b -= n
+            return None
+        row, state = run_at(b, state or create())
+        return row
+
+    start = min(largest.batch_size, b0 - n) if fixed_row["oom"] else largest.batch_size
+    result["max_batch"], result["max"] = first_that_runs(start, n, attempt)
     save()
     return result
-
-
-def batch_below(b: int, totals: dict, room: float, n: int) -> int:
-    """The next batch to try under ``b``, whose compiled total (``totals[b]``, bytes) is over
-    ``room``: along the line through ``b`` and the nearest other compiled batch, the largest
-    multiple of ``n`` whose total would fit (XLA's totals grow faster than linearly at large
-    batches, so a line from batch 1 overshoots there), and at least ``n`` below ``b``."""
-    others = [x for x in totals if x != b]
-    if not others:
-        return b - n
-    on_line, _ = batch_on_line(b, min(others, key=lambda x: abs(x - b)), totals, room, n)
-    return b - n if on_line is None else min(b - n, on_line)
-
-
-def batch_on_line(b: int, other: int, totals: dict, room: float, n: int):
-    """``(batch, bytes per sequence)``: along the line through the compiled totals (bytes) at
-    ``b`` and ``other``, the largest batch ``b + k n`` (k of either sign) whose total would fit
-    ``room``; the batch is None where the line does not rise."""
-    slope = (totals[b] - totals[other]) / (b - other)
-    if slope <= 0:
-        return None, slope
-    return b + n * math.floor((room - totals[b]) / (slope * n)), slope
 
 
 def ratio(num, den):
@@ -512,15 +375,13 @@ def paper_row(devices: int) -> str | None:
     return f"paper, {key} (H100 80 GB; tokens/s per GPU): {row}"
 
 
-def run_child(
-    args, policy: str, budget: float | None, phase: str = "fixed", fixed: dict | None = None
-) -> dict:
-    """One phase of ``policy`` in a child process (killed 300 s past ``budget``); the search
-    child gets phase 1's result ``fixed`` and returns it extended."""
+def run_child(args, policy: str, budget: float | None, fixed: dict | None = None) -> dict:
+    """One child process of ``policy`` (killed 300 s past ``budget``): the fixed batch, or the
+    search continuing the first child's result ``fixed``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--out", out,
-               "--phase", phase]  # fmt: skip
+               "--phase", "fixed" if fixed is None else "search"]  # fmt: skip
         if fixed is not None:
             with open(os.path.join(tmp, "fixed.json"), "w") as f:
                 json.dump(fixed, f)
@@ -532,12 +393,9 @@ def run_child(
             cmd += ["--set", item]
         if budget is not None:
             cmd += ["--time_budget_s", f"{budget:.0f}"]
-        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction))
-        if phase == "search":  # one allocator region: freed chunks coalesce (module's Method)
-            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
         timeout = None if budget is None else budget + 300  # a compile may run past the budget
         try:
-            returncode = subprocess.run(cmd, env=env, timeout=timeout).returncode
+            returncode = subprocess.run(cmd, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             returncode = "timeout"
         result = dict(fixed) if fixed is not None else {"policy": policy}
@@ -549,18 +407,18 @@ def run_child(
 
 
 def run_policy(args, policy: str, budget: float | None) -> dict:
-    """Both phases of ``policy``, each in its own process (see the module's Method): the fixed
-    batch, then (if there is a limit to search against and time left) the search. One result:
-    the search child's, which extends the fixed one's; ``returncodes`` holds both."""
+    """Both children of ``policy``: the fixed batch, then (with a limit to search against and
+    time left) the search. One result, the search child's extending the first's; its
+    ``returncodes`` holds both."""
     started = time.perf_counter()
-    result = run_child(args, policy, budget, "fixed")
+    result = run_child(args, policy, budget)
     returncodes = {"fixed": result["returncode"]}
     if result["returncode"] == 0 and result.get("search") is None:
         left = None if budget is None else budget - (time.perf_counter() - started)
         if left is not None and left <= 0:
             result["search"] = "stopped: time budget (before the search child)"
         else:
-            result = run_child(args, policy, left, "search", result)
+            result = run_child(args, policy, left, result)
             returncodes["search"] = result["returncode"]
     result["returncodes"] = returncodes
     result["returncode"] = next((rc for rc in returncodes.values() if rc != 0), 0)
@@ -576,14 +434,16 @@ def report(config: dict, results: list[dict], wall_s: float, path: str | None, m
     measured = [r for r in results if "device" in r]
     first = measured[0] if measured else {}
     devices = config.get("fsdp", 1)
-    limit = first.get("device_limit_bytes")
+    limit, allocator = first.get("device_limit_bytes"), first.get("allocator") or {}
     mesh = ", ".join(f"{k} {v}" for k, v in first.get("mesh", {}).items())
+    settings = ", ".join(f"{k.removeprefix('XLA_PYTHON_CLIENT_')}={v}"
+                         for k, v in allocator.items())  # fmt: skip
     print(
         f"\n{config['model']} ({fmt(first.get('params') and first['params'] / 1e6, '{:.4g}M')} "
         f"params), seq {config['seq_len']}, synthetic tokens, on {devices} x "
         f"{first.get('device')} (mesh {mesh or '-'}; limit "
-        f"{fmt(limit and limit / 1e9, '{:.3g} GB')} per device), jax {when['jax']}, "
-        f"{wall_s:.0f} s"
+        f"{fmt(limit and limit / 1e9, '{:.3g} GB')} per device; allocator {settings or '-'}), "
+        f"jax {when['jax']}, {wall_s:.0f} s"
     )
     print(table(results, ratios, config["batch"], devices))
     paper = paper_row(devices) if devices > 1 else None
@@ -597,6 +457,7 @@ def report(config: dict, results: list[dict], wall_s: float, path: str | None, m
             "devices": devices,
             "mesh": first.get("mesh"),
             "device_limit_bytes": limit,
+            "allocator": allocator,
             "jax": when["jax"],
             "config": config,
             "data": "synthetic: uniform random token ids, a new batch per batch size",
@@ -618,9 +479,11 @@ def merge(paths: list[str], path: str | None) -> None:
         with open(p) as f:
             reports.append(json.load(f))
     defaults = {"fsdp": 1, "set": []}
-    same = lambda r: {k: r["config"].get(k, defaults.get(k)) for k in SAME}
+    same = lambda r: (
+        {k: r["config"].get(k, defaults.get(k)) for k in SAME} | {"allocator": r.get("allocator")}
+    )
     for p, r in zip(paths[1:], reports[1:], strict=True):
-        differ = [k for k in SAME if same(r)[k] != same(reports[0])[k]]
+        differ = [k for k in same(r) if same(r)[k] != same(reports[0])[k]]
         if differ:
             raise ValueError(
                 f"--merge: {p} differs from {paths[0]} in "
@@ -638,24 +501,30 @@ def merge(paths: list[str], path: str | None) -> None:
     report(reports[0]["config"], results, wall_s, path, measured_with, merged_from=paths)
 
 
-def main():
-    args = parse_args()
+def child_main(args) -> None:
+    """``--one POLICY``: one child, under train.py's allocator (set before any device use)."""
+    from coat_jax.training import allocator
+
+    allocator.configure()
+    fixed = None
+    if args.phase == "search":
+        with open(args.fixed_json) as f:
+            fixed = json.load(f)
+    try:
+        result = measure_policy(args, args.one, fixed)
+    except ValueError as e:  # the parent reports it
+        if not args.out:
+            raise
+        with open(args.out, "w") as f:
+            json.dump({"policy": args.one, "error": str(e)}, f)
+        sys.exit(2)
+    print(json.dumps({k: result[k] for k in ("policy", "max_batch", "search")}))
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.one:
-        try:
-            check_devices(args.fsdp)
-        except ValueError as e:
-            if not args.out:
-                raise
-            with open(args.out, "w") as f:  # the parent reports it
-                json.dump({"policy": args.one, "error": str(e)}, f)
-            sys.exit(2)
-        fixed = None
-        if args.phase == "search":
-            with open(args.fixed_json) as f:
-                fixed = json.load(f)
-        result = measure(args, args.one, args.phase, fixed)
-        print(json.dumps({k: result[k] for k in ("policy", "max_batch", "search")}))
-        return
+        return child_main(args)
     try:
         run(args)
     except ValueError as e:

@@ -8,8 +8,10 @@
 #   OUT=/some/dir bash bench/evidence_gpu.sh      (OUT defaults to bench/results)
 #   POLICIES=bf16+adamw,coat+fp8_adamw E2E_BUDGET=500 bash bench/evidence_gpu.sh
 #                                                 (fewer e2e policies, more time for each)
+#
+# Every process sets train.py's allocator (coat_jax.training.allocator) unless XLA_PYTHON_CLIENT_*
+# variables are exported.
 source "$(dirname "$0")/gpu_env.sh"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
 GPUS=$(nvidia-smi -L | wc -l)
 E2E=(bench/e2e.py --model llama2_7b --time_budget_s "${E2E_BUDGET:-420}"
      --policies "${POLICIES:-bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads}"

@@ -9,7 +9,7 @@ change it).
 
 Reproducing the results (one H200; about 5-9 GPU minutes, printed before it starts):
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/fidelity.py --time_budget_s 540 \\
+  PYTHONPATH=. python3 bench/fidelity.py --time_budget_s 540 \\
       --json bench/results/fidelity_llama_114m_h200_$(date +%F).json
   # the same command again continues where a budget or a GPU call ended (runs resume)
   # --runs "bf16+adamw;coat+fp8_adamw;coat+fp8_adamw, bf16 gradients": other runs of RUNS
@@ -149,7 +149,7 @@ def gaps(summaries: dict) -> dict:
 def plot(curves: dict, path: str) -> None:
     import matplotlib
 
-    from coat_jax import train_loop
+    from coat_jax.training import metrics
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,11 +157,11 @@ def plot(curves: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (name, records), color in zip(curves.items(), ("C0", "C1", "C2"), strict=False):
         for ax, key, style in ((axes[0], "train_loss", "-"), (axes[1], "eval_loss", "o-")):
-            if points := train_loop.loss_points(records, key):
+            if points := metrics.loss_points(records, key):
                 ax.plot(*points, style, color=color, label=name, alpha=0.85)
     for ax, title in zip(axes, ("train loss", "eval loss"), strict=True):
         ax.set_title(title)
-    train_loop.save_loss_figure(fig, axes, path, "loss (nats/byte)")
+    metrics.save_loss_figure(fig, axes, path, "loss (nats/byte)")
 
 
 def device_name() -> str:
@@ -204,18 +204,16 @@ def main():
         raise SystemExit(f"fidelity.py: --runs {args.runs!r}: names from {list(RUNS)}, "
                          f"{BASELINE!r} among them")  # fmt: skip
     runs = {n: RUNS[n] for n in names}
-    from coat_jax import configs
+    from coat_jax.training import configs, metrics
 
     overrides = configs.parse_overrides(args.set)
     config = configs.load_file(args.config, overrides)
     total = args.steps or config.steps
-    from coat_jax import configs, train_loop
-
     for run in runs.values():  # fail here, not in the third subprocess
         configs.validate(configs.load_file(args.config, {**overrides, **run, "steps": total}))
     model = configs.llama_config(config)
     tokens_per_step = config.batch_size * config.seq_len
-    flops_per_token = train_loop.flops_per_token(model, config.seq_len)
+    flops_per_token = metrics.flops_per_token(model, config.seq_len)
     chunk = min(args.chunk_steps, total)
     ends = list(range(chunk, total, chunk)) + [total]
     workdirs = {name: os.path.join(args.workdir, name.replace("+", "_").replace(", ", "_")

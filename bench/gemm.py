@@ -4,12 +4,12 @@
 
 Shapes (M, K, N): Llama-2-7B projections at 8192 tokens and 8192^3. Per variant the median GPU
 time over --iters runs, from CUPTI kernel timings (jax.experimental.mosaic.gpu.profiler.measure:
-every kernel the call launches, so padding, transposes and the scale multiply count), else a
-host-timed loop of --inner launches. --check compares each Pallas variant with its reference on
-small shapes first; a variant that fails (to lower, or to match) is reported and skipped.
-Each Pallas variant's autotuned config is printed when chosen and recorded per shape
-(``tuned_config``); --json is rewritten after every shape, so a run cut short keeps what it
-measured.
+every kernel the call launches, so padding, transposes and the scale multiply count), else host
+time of --inner back-to-back launches (``coat_jax.core.measure.time_calls``). --check compares
+each Pallas variant with its reference on small shapes first; a variant that fails (to lower, or
+to match) is reported and skipped. Each Pallas variant's autotuned config is printed when chosen
+and recorded per shape (``tuned_config``); --json is rewritten after every shape, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import datetime
 import json
 import re
 import statistics
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coat_jax.core import measure
+from coat_jax.core.quant import QuantizedArray, dequantize
 from pallas_kernels import fp8_matmul as fm
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (8192, 8192, 8192)]
@@ -34,19 +35,10 @@ CHECK_SHAPES = [(512, 640, 384), (129, 256, 200)]
 
 
 def timer(iters: int, inner: int):
-    """``measure(fn, *args) -> (median ms, "cupti" | "host")``: CUPTI kernel time where the
+    """``time(fn, *args) -> (median ms, "cupti" | "host")``: CUPTI kernel time where the
     profiler works, else host time of ``inner`` back-to-back launches."""
 
-    def host(fn, *args):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready([fn(*args) for _ in range(inner)])
-            times.append((time.perf_counter() - t0) * 1e3 / inner)
-        return float(np.median(times)), "host"
-
-    def measure(fn, *args):
+    def time_fn(fn, *args):
         try:
             from jax.experimental.mosaic.gpu import profiler
 
@@ -54,9 +46,9 @@ def timer(iters: int, inner: int):
             return float(statistics.median(times)), "cupti"
         except Exception as e:  # noqa: BLE001
             print(f"  (CUPTI timing unavailable: {type(e).__name__}: {e}; host timing)")
-            return host(fn, *args)
+            return measure.time_calls(fn, *args, iters=iters, inner=inner).median_ms, "host"
 
-    return measure
+    return time_fn
 
 
 def inputs(m, k, n, seed=0):
@@ -83,7 +75,7 @@ def variants():
         return jnp.dot(x["a_bf16"], x["w_bf16"], preferred_element_type=jnp.bfloat16)
 
     @jax.jit
-    def xla_fp8(x):  # what coat_jax.flow.fp8_gemm does: cuBLASLt FP8 with the scale epilogue
+    def xla_fp8(x):  # what coat_jax.ops.flow.fp8_gemm does: cuBLASLt FP8 with the scale epilogue
         out = jax.lax.dot_general(x["a8"], x["w8"], (((1,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)  # fmt: skip
         return (out * (jnp.float32(0.5) * jnp.float32(0.25))).astype(jnp.bfloat16)
@@ -144,8 +136,6 @@ def check(name, fn, ref) -> str | None:
             want = ref(x)
             if name == "Pallas fused 1x16":
                 codes, amax = out
-                from coat_jax.quant import QuantizedArray, dequantize
-
                 got = dequantize(QuantizedArray(codes, amax, None, n))
                 bound = 0.04
             else:
@@ -168,9 +158,15 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 8192x4096x4096 (MxKxN)")
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes == "all" else [
-        tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]  # fmt: skip
-    measure = timer(args.iters, args.inner)
+    try:
+        shapes = SHAPES if args.shapes == "all" else [
+            tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]  # fmt: skip
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"gemm.py: --shapes {args.shapes!r}: expected 'all' or MxKxN,..."
+                         ) from None  # fmt: skip
+    time_fn = timer(args.iters, args.inner)
     table = variants()
     errors = {}
     if args.check:
@@ -203,7 +199,7 @@ def main():
             tuned_before = set(fm._TUNED)
             try:
                 jax.block_until_ready(fn(x))  # eager first call: autotunes this shape
-                ms, how = measure(fn if name.startswith("XLA") else jax.jit(fn), x)
+                ms, how = time_fn(fn if name.startswith("XLA") else jax.jit(fn), x)
                 row[name] = {"ms": ms, "TFLOPs": 2 * m * k * n / ms / 1e9, "timing": how}
                 if name.startswith("XLA"):
                     row[name].update(xla_gemm_calls(fn, x))

@@ -17,6 +17,6 @@ timeout 240 $PY bench/gemm.py --check --iters 10 --shapes "${GEMM_SHAPES:-all}" 
   2>&1 | tee "$OUT/gemm_bench_h200_$DAY.txt"
 
 echo "== 3. gpu tests (default config, no autotune; the new options by forced configs)"
-COAT_JAX_GEMM_AUTOTUNE=0 timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu \
+timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu \
   --tb=short -rfE --maxfail=5 tests/test_pallas_fp8_matmul.py \
   2>&1 | tail -60 | tee "$OUT/gemm_tests_h200_$DAY.txt"

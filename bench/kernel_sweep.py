@@ -5,14 +5,15 @@
 
 Kernels: the fused FP8 Adam moment step (``adam_step``, candidates from
 ``adam_step.tuning_candidates()``), the full-fusion AdamW update (``adam_update``, same
-candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``;
-on a Hopper GPU also the Mosaic GPU kernel, ``quantize_mgpu.mgpu_tuning_candidates()``), on
-one ``(rows, cols)`` fp32 tensor. Each candidate: median over --iters samples of the mean of
---inner back-to-back launches, state fed forward and donated (as in a training loop), so the
-update kernel's in-place aliasing is what is timed. GB/s counts each input read once and each
-output written once; "of copy" relates it to a device copy of the same fp32 tensor (read +
-write). A candidate that fails to compile is recorded with its error and skipped. Off a GPU the
-kernels run in interpret mode (times meaningless; the point is that the script cannot rot).
+candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``; on a
+Hopper GPU also the Mosaic GPU kernel, ``quantize_mgpu.mgpu_tuning_candidates()``), on one
+``(rows, cols)`` fp32 tensor. Each candidate: median over --iters samples of the mean of --inner
+back-to-back launches (``coat_jax.core.measure.time_loop``), state fed forward and donated (as
+in a training loop), so the update kernel's in-place aliasing is what is timed. GB/s counts each
+input read once and each output written once; "of copy" relates it to a device copy of the same
+fp32 tensor (read + write). A candidate that fails to compile is recorded with its error and
+skipped. Off a GPU the kernels run in interpret mode (times meaningless; the point is that the
+script cannot rot).
 """
 
 from __future__ import annotations
@@ -20,31 +21,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from coat_jax.quant import quantize
+from coat_jax.core import adam, measure
+from coat_jax.core.quant import quantize
 from pallas_kernels import adam_step, adam_update, dispatch
 from pallas_kernels import quantize as kq
 from pallas_kernels import quantize_mgpu as km
 
 B1, B2 = 0.9, 0.95
-
-
-def time_chained(step, carry, iters: int, inner: int) -> float:
-    """Median ms of ``carry = step(carry)``, ``inner`` launches per sample, after one warm-up."""
-    carry = jax.block_until_ready(step(carry))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        for _ in range(inner):
-            carry = step(carry)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - start) * 1e3 / inner)
-    return float(np.median(times))
 
 
 def kernel_cases(rows: int, cols: int, interpret: bool):
@@ -57,20 +44,20 @@ def kernel_cases(rows: int, cols: int, interpret: bool):
     nu = quantize(jnp.exp(jax.random.normal(keys[3], (rows, cols))) * 1e-7, group_size=128,
                   expand=True)  # fmt: skip
     moments_bytes = 2 * 2 * (n + n // 128 * 5)  # FP8 codes + amax + k, read and written
-    hyper8 = jnp.array([B1, 1 - B1, B2, 1 - B2, 1e-8, 0.0, 1 - B1**5, 1 - B2**5], jnp.float32)
-    hyper16 = jnp.concatenate([hyper8, jnp.array([-1e-4, 0.1, 1.0, 0, 0, 0, 0, 0], jnp.float32)])
+    coeffs = adam.coefficients(B1, B2, 1e-8, 0.0, 5)  # the 5th step
+    hyper = adam_update.update_vector(coeffs, 1e-4, 0.1, 1.0)  # lr, weight decay, clip scale
 
     fresh = lambda *tree: jax.tree.map(jnp.copy, tree)  # each candidate donates its own copy
 
     def moments_step(tuning):
         fn = lambda c: adam_step.fp8_adam_moments(
-            g, c[1], c[2], hyper8, tuning=tuning, interpret=interpret
+            g, c[1], c[2], coeffs, tuning=tuning, interpret=interpret
         )
         return jax.jit(fn, donate_argnums=0), fresh(g, mu, nu)
 
     def update_step(tuning):
         fn = lambda c: adam_update.leaf_kernel(
-            c[0], g, c[1], c[2], hyper16, True, tuning=tuning, interpret=interpret
+            c[0], g, c[1], c[2], hyper, True, tuning=tuning, interpret=interpret
         )
         return jax.jit(fn, donate_argnums=0), fresh(p, mu, nu)
 
@@ -129,8 +116,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     interpret = not dispatch.hopper_gpu()
     n = args.rows * args.cols
-    copy_ms = time_chained(jax.jit(lambda x: x * 2), jnp.ones((args.rows, args.cols)),
-                           args.iters, args.inner)  # fmt: skip
+    median_ms = lambda step, carry: measure.time_loop(step, carry, iters=args.iters,
+                                                      inner=args.inner)[0].median_ms  # fmt: skip
+    copy_ms = median_ms(jax.jit(lambda x: x * 2), jnp.ones((args.rows, args.cols)))
     copy_gbps = 8 * n / copy_ms / 1e6
     results = {}
     device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
@@ -153,7 +141,7 @@ def main(argv=None):
             row = {"tuning": {k: v for k, v in vars(tuning).items()}}
             try:
                 step, carry = make(tuning)
-                ms = time_chained(step, carry, args.iters, args.inner)
+                ms = median_ms(step, carry)
                 row.update(ms=ms, GBps=nbytes / ms / 1e6)
             except Exception as e:  # a candidate that does not compile (smem, layout)
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -6,10 +6,10 @@ Rows "Pallas" are the Triton-backend kernels (pallas_kernels/quantize.py), "Pall
 the Mosaic GPU per-group quantize (pallas_kernels/quantize_mgpu.py, Hopper only).
 
 For each kernel: the median over --iters samples of the mean time of --inner back-to-back
-launches (dispatch is asynchronous, so launch latency overlaps the previous launch; inputs
-rotate over 3 buffers), the bytes it must move (each input read once, each output written
-once; the standalone two-stage per-tensor quantize reads its input twice) and the achieved
-GB/s, next to a device copy (read + write).
+launches (``coat_jax.core.measure.time_loop``; dispatch is asynchronous, so launch latency
+overlaps the previous launch; inputs rotate over 3 buffers), the bytes it must move (each input
+read once, each output written once; the standalone two-stage per-tensor quantize reads its
+input twice) and the achieved GB/s, next to a device copy (read + write).
 """
 
 from __future__ import annotations
@@ -17,27 +17,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from coat_jax.quant import dequantize, quantize
+from coat_jax.core import measure
+from coat_jax.core.quant import dequantize, quantize
 from pallas_kernels import dispatch
 from pallas_kernels import quantize as kq
 from pallas_kernels import quantize_mgpu as km
 
 
 def median_ms(fn, inputs, iters: int, inner: int) -> float:
-    jax.block_until_ready(fn(inputs[0]))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        outs = [fn(inputs[j % len(inputs)]) for j in range(inner)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - start) * 1e3 / inner)
-    return float(np.median(times))
+    """Median ms of ``fn`` over ``iters`` samples of ``inner`` launches, the inputs in turn."""
+    step = lambda carry: (carry[0] + 1, fn(inputs[carry[0] % len(inputs)]))
+    return measure.time_loop(step, (0, None), iters=iters, inner=inner)[0].median_ms
 
 
 def _quantize_both(x):
@@ -54,6 +48,9 @@ def main():
     parser.add_argument("--inner", type=int, default=10, help="launches per timed sample")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if not dispatch.hopper_gpu():
+        raise SystemExit("kernels.py: the Pallas kernels compile for a Hopper GPU only "
+                         "(bench/kernel_sweep.py runs them interpreted anywhere)")  # fmt: skip
     n = args.rows * args.cols
     rows = []
 
@@ -73,10 +70,9 @@ def main():
                 lambda x, g=g: quantize(x, "e4m3", group_size=g)), xs, moved)  # fmt: skip
             record(f"per-group 1x{g} {tag}, Pallas", jax.jit(lambda x, g=g: kq.quantize_per_group(
                 x, "e4m3", g)), xs, moved)  # fmt: skip
-            if dispatch.hopper_gpu():  # compiled only (no interpret mode for Mosaic GPU)
-                record(f"per-group 1x{g} {tag}, Pallas Mosaic GPU",
-                       jax.jit(lambda x, g=g: km.quantize_per_group_mgpu(x, "e4m3", g)), xs,
-                       moved)  # fmt: skip
+            record(f"per-group 1x{g} {tag}, Pallas Mosaic GPU",
+                   jax.jit(lambda x, g=g: km.quantize_per_group_mgpu(x, "e4m3", g)), xs,
+                   moved)  # fmt: skip
         record(f"per-tensor {tag}, XLA jnp", jax.jit(lambda x: quantize(x, "e4m3")), xs,
                n * (2 * b + 1))  # fmt: skip
         record(f"per-tensor {tag}, Pallas two-stage", jax.jit(kq.quantize_per_tensor), xs,

@@ -4,11 +4,12 @@ The paper's own micro-benchmark (COAT, arXiv 2410.19313: Llama-2-7B block, hidde
 batch 4 on an H100: BF16 26.55 ms, TransformerEngine 17.98 ms, COAT 16.85 ms; activations
 2914 -> 1766 MB). Each policy runs in its own subprocess so that ``peak_bytes_in_use`` is its own.
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python bench/layer.py [--json out.json] [--seq 2048 ...]
+  python bench/layer.py [--json out.json] [--seq 2048 ...]
 
-Reported per policy: median ms of a jitted fwd+bwd (grads of params and input), bytes of the
-activation residuals saved for backward (leaves shaped (batch, seq, ...)), the FP8 GEMM
-custom-calls in the compiled HLO, and the device's peak memory.
+Reported per policy: median ms of a jitted fwd+bwd (grads of params and input;
+``coat_jax.core.measure``), bytes of the activation residuals saved for backward (leaves shaped
+(batch, seq, ...)), the FP8 GEMM custom-calls in the compiled HLO, and the device's peak memory
+(beside the allocator's settings).
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from coat_jax import nn
-from coat_jax.policy import POLICIES, get_policy
+from coat_jax.core import measure
+from coat_jax.models import nn
+from coat_jax.models.policy import POLICIES, get_policy
 
 F8_GEMM = "__cublas$lt$matmul$f8"
 
@@ -65,25 +65,17 @@ def run_policy(args) -> dict:
     act_bytes = sum(r.nbytes for r in act)
     del leaves, act
 
-    grads = fwd_bwd(x, params)
-    jax.block_until_ready(grads)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        grads = fwd_bwd(x, params)
-        jax.block_until_ready(grads)
-        times.append((time.perf_counter() - start) * 1e3)
-    stats = jax.devices()[0].memory_stats() or {}
+    timing = measure.time_calls(fwd_bwd, x, params, iters=args.steps)
     u = args.batch * args.seq * args.hidden * 2
     return {
         "policy": args.policy,
-        "median_ms": float(np.median(times)),
-        "min_ms": float(np.min(times)),
+        "median_ms": timing.median_ms,
+        "min_ms": timing.min_ms,
         "activation_bytes": int(act_bytes),
         "activation_U": act_bytes / u,
         "f8_gemm_calls": hlo.count(f'custom_call_target="{F8_GEMM}"'),
         "custom_calls": dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))),
-        "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
+        "peak_bytes_in_use": measure.device_memory(jax.devices()[:1]).peak,
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
     }
 
@@ -114,7 +106,8 @@ def main():
             sys.exit(f"{policy} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
 
-    base = rows[0]
+    base, allocator = rows[0], measure.allocator_settings()
+    fmt_gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"
     device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     print(
         f"\nLlama block hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
@@ -127,13 +120,15 @@ def main():
             f"| {r['policy']} | {r['median_ms']:.2f} | {base['median_ms'] / r['median_ms']:.2f}x | "
             f"{r['activation_bytes'] / 2**20:.0f} ({r['activation_U']:.2f}U) | "
             f"{r['activation_bytes'] / base['activation_bytes']:.3f} | "
-            f"{r['peak_bytes_in_use'] / 1e9:.2f} | {r['f8_gemm_calls']} |"
+            f"{fmt_gb(r['peak_bytes_in_use'])} | {r['f8_gemm_calls']} |"
         )
+    print("allocator:", ", ".join(f"{k}={v}" for k, v in allocator.items()))
     if args.json:
         result = {
             "date": datetime.date.today().isoformat(),
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
+            "allocator": allocator,
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "policy")},
             "rows": rows,
         }

@@ -8,15 +8,15 @@
 #
 # On 8 H200s that runs (BUDGET: the whole run's time budget in seconds, default 540):
 #
-#   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/e2e.py --model llama2_7b --fsdp 8 \
+#   python3 bench/e2e.py --model llama2_7b --fsdp 8 \
 #     --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \
 #     --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
 #
-# GPUS=2 uses the first two GPUs only. Each policy runs in its own child process (see e2e.py).
+# GPUS=2 uses the first two GPUs only. Each policy runs in its own child processes (see e2e.py),
+# under train.py's allocator unless XLA_PYTHON_CLIENT_* variables are exported.
 source "$(dirname "$0")/gpu_env.sh"
 
 N=${GPUS:-$(nvidia-smi -L | wc -l)}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
 echo "== e2e: llama2_7b, FSDP over $N GPUs, global batch $N"
 $PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" \
   --policies bf16+adamw,coat+fp8_adamw --time_budget_s "${BUDGET:-540}" \

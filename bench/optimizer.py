@@ -1,13 +1,14 @@
 """Optimizer step time on a 1B-parameter Llama-shaped pytree: optax.adamw vs coat_jax.fp8_adamw
-and the full-fusion FP8 AdamW update (pallas_kernels/adam_update.py).
+and the full-fusion FP8 AdamW update (coat_jax.fused_fp8_adamw_update).
 
   python bench/optimizer.py [--layers 5] [--json out.json]
 
-Five Llama-2-7B layers (1.01B fp32 parameters). Each step is jitted with params and state donated;
-median of --steps timed steps after warm-up. Bytes per parameter are what each step must move at
-the least: reads and writes of params and state and a read of the gradients (fp32 AdamW: 28; FP8
-AdamW: 4+4+4 + 2x(1+1) + scales = 16.2); GB/s divides them by the time, and "vs adamw" is
-optax.adamw's time over the row's (higher is faster).
+Five Llama-2-7B layers (1.01B fp32 parameters). Each step is jitted with params and state
+donated; median of --steps timed steps after warm-up (``coat_jax.core.measure.time_loop``).
+Bytes per parameter are what each step must move at the least: reads and writes of params and
+state and a read of the gradients (fp32 AdamW: 28; FP8 AdamW: 4+4+4 + 2x(1+1) + scales = 16.2);
+GB/s divides them by the time, and "vs adamw" is optax.adamw's time over the row's (higher is
+faster).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 import coat_jax
-from pallas_kernels import adam_update, dispatch
+from coat_jax.core import measure
+from pallas_kernels import dispatch
 
 LAYER = {
     "wq": (4096, 4096), "wk": (4096, 4096), "wv": (4096, 4096), "wo": (4096, 4096),
@@ -44,9 +45,9 @@ def optax_step(opt):
 
 
 def fused_step(kernels: str):
-    """``adam_update.fp8_adamw_update`` with fp8_adamw's defaults (weight decay 1e-4)."""
+    """``coat_jax.fused_fp8_adamw_update`` with fp8_adamw's defaults (weight decay 1e-4)."""
     adam = coat_jax.scale_by_fp8_adam(kernels="reference")
-    return adam.init, lambda params, state, grads: adam_update.fp8_adamw_update(
+    return adam.init, lambda params, state, grads: coat_jax.fused_fp8_adamw_update(
         params, grads, state, 1e-4, weight_decay=1e-4, kernels=kernels
     )
 
@@ -56,16 +57,8 @@ def time_optimizer(init_and_step, params, grads, steps) -> tuple[float, int]:
     state = init(params)
     state_bytes = tree_bytes(state)
     step = jax.jit(step, donate_argnums=(0, 1))
-
-    params, state = step(params, state, grads)
-    jax.block_until_ready(params)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        params, state = step(params, state, grads)
-        jax.block_until_ready(params)
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times)), state_bytes
+    timing, _ = measure.time_loop(lambda carry: step(*carry, grads), (params, state), iters=steps)
+    return timing.median_ms, state_bytes
 
 
 def main():

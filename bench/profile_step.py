@@ -1,13 +1,14 @@
 """Where a train step's time goes: a device trace of ``train.py``'s step, by category.
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/profile_step.py \\
+  PYTHONPATH=. python3 bench/profile_step.py \\
       --config configs/llama2_7b.py --set precision=coat --set optimizer.name=fp8_adamw \\
       --set batch_size=1 --json bench/results/profile_llama2_7b_coat_h200_$(date +%F).json
   # a sharded step: --set mesh.data=1 --set mesh.fsdp=2 --set batch_size=2
 
-The step is the trainer's own (``train.build`` + ``train.make_step``: the same model, mesh,
-shardings and optimizer path), compiled ahead of time so that its HLO names every op; after
-``--warmup`` steps, ``--steps`` steps run under ``jax.profiler.trace`` (a Perfetto trace).
+The step is the trainer's own (``coat_jax.training.run.assemble``: the same model, mesh,
+shardings and optimizer path, under train.py's allocator), compiled ahead of time so that its
+HLO names every op; after ``--warmup`` steps, ``--steps`` steps run under
+``jax.profiler.trace`` (a Perfetto trace), timed by ``coat_jax.core.measure``.
 Each device op of the trace is put in one category by the HLO instruction it ran:
 
 * ``GEMM, FP8 (cuBLASLt)`` / ``GEMM (cuBLAS)`` / ``GEMM (Triton)``: the matrix products;
@@ -23,9 +24,8 @@ communication by collective and element type (``all-gather f8e4m3fn``: an FP8 we
 top kernels, the step's wall time (median) next to the device time, and the trace's process and
 thread names (so an unexpected trace layout shows). The trace folder is kept (``--trace_dir``)
 for Perfetto / TensorBoard. CUDA graphs (XLA's command buffers) are turned off so that every
-kernel keeps its HLO name (on one H200 the 7B step's wall time is within 3% either way). On a
-CPU the trace has no device ops: the script says so and still reports compile and step times
-(the point there is that it cannot rot).
+kernel keeps its HLO name (docs/bench-methods.md). On a CPU the trace has no device ops: the
+script says so and still reports compile and step times (the point there is that it cannot rot).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import gzip
 import json
 import os
 import re
-import statistics
-import sys
 import time
 
 import jax
@@ -64,7 +62,7 @@ def parse_args(argv=None):
 
 
 def load_config(path: str, sets: list[str]):
-    from coat_jax import configs
+    from coat_jax.training import configs
 
     config = configs.load_file(path, configs.parse_overrides(sets))
     configs.validate(config)
@@ -250,51 +248,44 @@ def main(argv=None):
     if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
         os.environ["XLA_FLAGS"] = flags.strip()
-    sys.path.insert(0, ROOT)
-    import train
-    from coat_jax import train_loop
+    from coat_jax.core import measure
+    from coat_jax.training import allocator, metrics
+    from coat_jax.training.run import assemble
 
+    allocator.configure()  # train.py's allocator, unless the environment sets one
     config = load_config(args.config, args.set)
-    tokenizer, model_config, graph, params, create, optimizer, schedule, placement = train.build(
-        config
-    )
-    del tokenizer
-    result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-              "devices": jax.device_count(), "jax": jax.__version__, "config": args.config,
-              "set": args.set, "mesh": dict(placement.mesh.shape),
-              "params": model_config.num_params(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "gemm_backend": os.environ.get("COAT_JAX_GEMM", "xla")}  # fmt: skip
-    with jax.set_mesh(placement.mesh):
-        step = train.make_step(config, graph, optimizer, schedule, placement)
+    run = assemble(config)
+    devices = list(run.placement.mesh.devices.flat)
+    result = {"date": datetime.date.today().isoformat(), "device": devices[0].device_kind,
+              "devices": len(devices), "jax": jax.__version__, "config": args.config,
+              "set": args.set, "mesh": dict(run.placement.mesh.shape),
+              "params": run.model.num_params(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "allocator": measure.allocator_settings(),
+              "gemm_backend": config.fp8.gemm}  # fmt: skip
+    with jax.set_mesh(run.placement.mesh):
         started = time.perf_counter()
-        params = create(placement.params)
-        opt_state = placement.init_opt_state(optimizer, params)
-        shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
-        tokens = jax.random.randint(jax.random.key(0), shape, 0, model_config.vocab_size)
-        batch = jax.device_put(tokens, placement.batch)
+        params, opt_state = run.create()
+        tokens = jax.random.randint(jax.random.key(0), run.batch_shape(), 0, run.model.vocab_size)
+        batch = jax.device_put(tokens, run.placement.batch)
         result["init_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        compiled = step.lower(params, opt_state, batch).compile()
+        compiled = run.train_step.lower(params, opt_state, batch).compile()
         result["compile_s"] = time.perf_counter() - started
         print(f"compiled in {result['compile_s']:.0f} s", flush=True)
         hlo = compiled.as_text()
         categories, kinds = hlo_categories(hlo), collective_kinds(hlo)
-        times = []
-        for _ in range(args.warmup):
-            params, opt_state, metrics = compiled(params, opt_state, batch)
-        jax.block_until_ready(metrics)
+        step = lambda carry: compiled(carry[0], carry[1], batch)
+        carry = (params, opt_state, None)
+        for _ in range(args.warmup):  # untimed, outside the trace
+            carry = jax.block_until_ready(step(carry))
         with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                params, opt_state, metrics = compiled(params, opt_state, batch)
-                jax.block_until_ready(metrics)
-                times.append((time.perf_counter() - t0) * 1e3)
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in placement.mesh.devices.flat]
+            timing, _ = measure.time_loop(step, carry, warmup=0, iters=args.steps)
+    peaks = [measure.device_memory([d]).peak for d in devices]
     result["peak_bytes_per_device"] = peaks  # None on a CPU
-    result["step_ms_median"] = statistics.median(times)
-    result["tokens_per_s"] = config.batch_size * config.seq_len / (result["step_ms_median"] / 1e3)
-    mfu = train_loop.mfu(model_config, config.seq_len, result["tokens_per_s"],
-                         jax.device_count(), config.peak_tflops)  # fmt: skip
+    result["step_ms_median"] = timing.median_ms
+    result["tokens_per_s"] = config.batch_size * config.seq_len / (timing.median_ms / 1e3)
+    mfu = metrics.mfu(run.model, config.seq_len, result["tokens_per_s"], len(devices),
+                      config.peak_tflops)  # fmt: skip
     if mfu is not None:
         result["mfu"] = mfu
     ops, layout = device_ops(_load_trace(args.trace_dir))

@@ -6,6 +6,9 @@
 #
 #   OUT=/some/dir bash bench/trainer_gpu.sh               # both policies, Llama-2-7B
 #   POLICIES="coat" CONFIG=configs/llama2_7b.py STEPS=8 bash bench/trainer_gpu.sh
+#   EXTRA="--config.memory_limit_gb=0.3" CONFIG=configs/llama_tiny.py ...   # (a CPU smoke run)
+#   DRY_RUN=0 ...   # skip --dry_run (batch_size=-1 runs the same search and prints its result)
+#   FRESH=0 ...     # keep $WORK (earlier policies and the compilation cache) from a previous call
 #
 # Writes $OUT/trainer_<model>_<policy>_<gpu>_<date>.log per policy and one JSON summary,
 # $OUT/trainer_<model>_<gpu>_<date>.json.
@@ -14,21 +17,27 @@ CONFIG=${CONFIG:-configs/llama2_7b.py}
 MODEL=$(basename "$CONFIG" .py)
 STEPS=${STEPS:-8}
 WORK=${WORK:-/tmp/trainer_gpu}
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($NF)}')
-rm -rf "$WORK"; mkdir -p "$WORK"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+      | awk '{print tolower($NF)}')
+GPU=${GPU:-cpu}
+[ "${FRESH:-1}" = 1 ] && rm -rf "$WORK"
+mkdir -p "$WORK"
 declare -A SETS=([bf16]="--config.precision=bf16 --config.optimizer.name=adamw"
                  [coat]="--config.precision=coat --config.optimizer.name=fp8_adamw")
 for P in ${POLICIES:-bf16 coat}; do
   LOG="$OUT/trainer_${MODEL}_${P}_${GPU}_$DAY.log"
-  COMMON=(train.py --config "$CONFIG" ${SETS[$P]} --config.compile_cache_dir="$WORK/xla_cache")
+  COMMON=(train.py --config "$CONFIG" ${SETS[$P]} --config.compile_cache_dir="$WORK/xla_cache"
+          ${EXTRA:-})
   RUN=(--config.steps="$STEPS" --config.log_interval=$((STEPS / 2)) --config.eval_batches=1
-       --config.checkpoint_interval=0)
+       --config.checkpoint_interval=0 --config.optimizer.warmup_steps=1)
   {
-    echo "== $P: dry run"
-    time $PY "${COMMON[@]}" --config.workdir="$WORK/$P/plan" --dry_run
-    B=$($PY -c "import json; print(json.load(open('$WORK/$P/plan/memory_plan.json'))['largest_batch'])")
-    echo "== $P: train at the largest batch (--config.batch_size=-1; planned $B)"
+    if [ "${DRY_RUN:-1}" = 1 ]; then
+      echo "== $P: dry run"
+      time $PY "${COMMON[@]}" --config.workdir="$WORK/$P/plan" --dry_run
+    fi
+    echo "== $P: train at the largest batch (--config.batch_size=-1)"
     time $PY "${COMMON[@]}" "${RUN[@]}" --config.workdir="$WORK/$P/run" --config.batch_size=-1
+    B=$($PY -c "import json; print(json.load(open('$WORK/$P/run/config.json'))['batch_size'])")
     echo "== $P: one sequence more, batch $((B + 1)) (expected: out of memory)"
     time $PY "${COMMON[@]}" "${RUN[@]}" --config.workdir="$WORK/$P/over" \
       --config.batch_size=$((B + 1)) --config.steps=2 --config.log_interval=1 2>&1 | tail -4
@@ -44,7 +53,8 @@ summary = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__
 for policy in sorted(os.listdir(work)):
     if policy == "xla_cache":
         continue
-    plan = json.load(open(os.path.join(work, policy, "plan", "memory_plan.json")))
+    plan_file = os.path.join(work, policy, "plan", "memory_plan.json")
+    plan = json.load(open(plan_file)) if os.path.exists(plan_file) else {}
     path = os.path.join(work, policy, "run", "metrics.jsonl")
     records = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     last = records[-1] if records else {}

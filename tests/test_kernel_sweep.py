@@ -5,6 +5,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -28,4 +30,5 @@ def test_sweep_smoke(tmp_path, monkeypatch):
         assert len(kernel["candidates"]) == 2, name
         errors = [c["error"] for c in kernel["candidates"] if "error" in c]
         assert not errors, (name, errors)  # every candidate ran
-        assert kernel["best"]["ms"] > 0 and kernel["best"]["GBps"] > 0
+        assert kernel["best"]["ms"] == min(c["ms"] for c in kernel["candidates"]) > 0
+        assert kernel["best"]["GBps"] == pytest.approx(kernel["bytes"] / kernel["best"]["ms"] / 1e6)

@@ -110,14 +110,21 @@ def test_device_ops_and_summary(tmp_path):
 
 def test_cpu_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds a flag
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the user's setting wins
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # main() sets the allocator's defaults
     out = tmp_path / "p.json"
     result = ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set",
-                      "precision=coat", "--steps", "1", "--warmup", "1", "--trace_dir",
-                      str(tmp_path / "trace"), "--json", str(out)])  # fmt: skip
+                      "precision=coat", "--set", "seq_len=32", "--set", "batch_size=2",
+                      "--steps", "2", "--warmup", "1", "--trace_dir", str(tmp_path / "trace"),
+                      "--json", str(out)])  # fmt: skip
     saved = json.loads(out.read_text())
-    assert saved["step_ms_median"] > 0 and saved["compile_s"] > 0
+    assert saved["step_ms_median"] > 0 and saved["compile_s"] > 0 and saved["tokens_per_s"] > 0
     assert saved["hlo_instructions"] > 100 and result["mesh"] == saved["mesh"]
+    assert saved["gemm_backend"] == "xla"  # config.fp8.gemm
+    assert saved["allocator"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+                                  "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}  # fmt: skip
     assert "--xla_gpu_enable_command_buffer=" in saved["xla_flags"]  # kernels keep their names
-    assert len(saved["peak_bytes_per_device"]) == math.prod(saved["mesh"].values())
+    assert saved["peak_bytes_per_device"] == [None] * math.prod(saved["mesh"].values())  # a CPU
     with pytest.raises(ValueError, match="precision"):
         ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set", "precision=fp4"])

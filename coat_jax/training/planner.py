@@ -178,16 +178,20 @@ class LargestBatch:
                 f"{totals}; allocator {settings})")  # fmt: skip
 
 
-def batch_on_curve(totals: dict[int, int], room: float, step: int) -> int | None:
+def batch_on_curve(totals: dict[int, int], room: float, step: int, lo: int,
+                   hi: int | None) -> int | None:  # fmt: skip
     """The largest batch (a multiple of ``step``) that a curve through compiled totals says
-    fits ``room``: a parabola through the three batches whose totals lie nearest ``room``
-    (XLA's totals bend upwards at large batches), a line through two where only two are known
-    or the parabola bends down; ``None`` where the curve does not rise."""
+    fits ``room``: a parabola through the three batches whose totals lie nearest ``room`` where
+    it bends upwards (XLA's totals grow faster than linearly at large batches), else the line
+    through ``lo`` (fits) and ``hi`` (does not; near the limit XLA rematerializes, which bends
+    the totals down), else through the two largest batches; ``None`` where it does not rise."""
     near = sorted(totals, key=lambda b: abs(totals[b] - room))[:3]
-    xs, ys = np.array(near, float), np.array([totals[b] for b in near], float)
-    quad, lin, const = np.polyfit(xs, ys, 2) if len(near) == 3 else (0.0, *np.polyfit(xs, ys, 1))
+    quad = lin = 0.0
+    if len(near) == 3:
+        quad, lin, const = np.polyfit(near, [totals[b] for b in near], 2)
     if quad <= 0:
-        quad, (lin, const) = 0.0, np.polyfit(xs[:2], ys[:2], 1)
+        a, b = (lo, hi) if hi is not None else sorted(totals)[-2:]
+        quad, (lin, const) = 0.0, np.polyfit([a, b], [totals[a], totals[b]], 1)
     if quad > 0:
         b = (-lin + math.sqrt(max(lin * lin - 4 * quad * (const - room), 0.0))) / (2 * quad)
     elif lin > 0:
@@ -236,7 +240,7 @@ def largest_batch(run: Run, *, limit: int | None = None, margin: int = MARGIN,
             hi = candidate
         if hi is not None and hi - lo <= step:
             break
-        on_curve = batch_on_curve(totals, room, step)
+        on_curve = batch_on_curve(totals, room, step, lo, hi)
         candidate = lo + step if on_curve is None else on_curve
     return result(lo)
 
