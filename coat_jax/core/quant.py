@@ -234,7 +234,12 @@ def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.lo
     if k is not None:
         k = expansion.decode_k(k)[bcast]
         return expansion.expanded_decode(codes, amax[bcast], k, fmt, log=log)
-    return (codes / fmt.max) * amax[bcast]
+    # As in encode, a group maximum below TINY_AMAX is scaled up by 2^64 and the product back
+    # down: under jit XLA folds (codes / fmax) * amax into codes * (amax / fmax), which is
+    # subnormal there and flushed to zero (found by tests/test_quant.py's property tests).
+    amax = jnp.asarray(amax, jnp.float32)[bcast]
+    pre = jnp.where(amax < TINY_AMAX, np.float32(2.0**64), np.float32(1.0))
+    return ((codes / fmt.max) * (amax * pre)) * (1.0 / pre)
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
