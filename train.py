@@ -51,22 +51,30 @@ def log(msg: str) -> None:
 
 
 def dry_run(run) -> None:
-    """Prints the memory plan at the config's batch (if one is set) and the largest batch."""
+    """Prints the memory plan at the config's batch and the largest batch that fits; with
+    ``batch_size=-1``, the largest batch and then the plan at it."""
     config = run.config
-    mesh = ", ".join(f"{k} {v}" for k, v in run.placement.mesh.shape.items())
-    plan = {}
-    if config.batch_size != -1:
-        plan = planner.memory_plan(run)
+    plan, largest = {}, None
+
+    def show_plan(batch):
+        mesh = ", ".join(f"{k} {v}" for k, v in run.placement.mesh.shape.items())
+        plan.update(planner.memory_plan(run, batch))
         log(f"Memory plan per device ({config.precision}, {config.optimizer.name}, batch "
-            f"{config.batch_size} x seq {config.seq_len}, grad_accum {config.grad_accum}, mesh "
-            f"{mesh}) on {jax.devices()[0].device_kind}:\n{planner.format_plan(plan)}")  # fmt: skip
+            f"{batch} x seq {config.seq_len}, grad_accum {config.grad_accum}, mesh {mesh}) on "
+            f"{jax.devices()[0].device_kind}:\n{planner.format_plan(plan)}")  # fmt: skip
+
+    if config.batch_size != -1:
+        show_plan(config.batch_size)
     try:
         largest = planner.largest_batch(run)
-        plan["largest_batch"] = largest.batch_size
         log(f"{largest.describe()}\n  train at it: --config.batch_size=-1 (or "
             f"--config.batch_size={largest.batch_size})")  # fmt: skip
     except ValueError as e:
         log(f"largest batch: not planned ({e})")
+    if config.batch_size == -1 and largest is not None and largest.batch_size:
+        show_plan(largest.batch_size)
+    if largest is not None:
+        plan["largest_batch"] = largest.batch_size
     if is_main():
         with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
             json.dump(plan, f, indent=2)

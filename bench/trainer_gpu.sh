@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's user path on one GPU, through train.py alone (no allocator variables set: train.py
 # chooses them): per policy, `--dry_run` prints the largest batch; `--config.batch_size=-1`
-# trains at it (a few steps: tokens/s, MFU, peak memory from metrics.jsonl); one sequence more
-# is then tried, to show the largest batch is the largest (expected: out of memory).
+# trains at it (a few steps: tokens/s, MFU, peak memory from metrics.jsonl; the same flags, so
+# it reads the dry run's search instead of repeating it); one sequence more is then tried, to
+# show the largest batch is the largest (expected: out of memory).
 #
 #   OUT=/some/dir bash bench/trainer_gpu.sh               # both policies, Llama-2-7B
 #   POLICIES="coat" CONFIG=configs/llama2_7b.py STEPS=8 bash bench/trainer_gpu.sh
@@ -33,7 +34,7 @@ for P in ${POLICIES:-bf16 coat}; do
   {
     if [ "${DRY_RUN:-1}" = 1 ]; then
       echo "== $P: dry run"
-      time $PY "${COMMON[@]}" --config.workdir="$WORK/$P/plan" --dry_run
+      time $PY "${COMMON[@]}" "${RUN[@]}" --config.workdir="$WORK/$P/plan" --dry_run
     fi
     echo "== $P: train at the largest batch (--config.batch_size=-1)"
     time $PY "${COMMON[@]}" "${RUN[@]}" --config.workdir="$WORK/$P/run" --config.batch_size=-1

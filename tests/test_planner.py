@@ -38,10 +38,10 @@ def test_planner_counts_bf16_gradients_at_two_bytes():
     assert grads["float32"] == 2 * grads["bfloat16"] > 0
 
 
-def synthetic(monkeypatch, total, per_sequence=7.5):
+def synthetic(monkeypatch, total, per_sequence=7.5, **overrides):
     """A run whose compiled total at batch b is ``total(b)`` (no compile happens) and whose
     analytic model grows ``per_sequence`` bytes a sequence."""
-    run = tiny_run()
+    run = tiny_run(**overrides)
     compiled = []
 
     def plan(run_, b=None):
@@ -82,6 +82,21 @@ def test_largest_batch_stays_under_the_limit_with_a_bad_probe(monkeypatch):
     assert found.batch_size == max(b for b in range(1, 1000) if total(b) <= 1234)
 
 
+def test_a_search_is_kept_beside_the_compilation_cache(monkeypatch, tmp_path):
+    """With config.compile_cache_dir, the same program's search is read back, not repeated;
+    another limit is another search."""
+    total = lambda b: 100 + 7 * b + 0.05 * b * b
+    run, compiled = synthetic(monkeypatch, total, compile_cache_dir=str(tmp_path))
+    first = planner.largest_batch(run, limit=1234, margin=0)
+    count = len(compiled)
+    again = planner.largest_batch(run, limit=1234, margin=0)
+    assert len(compiled) == count and again.from_record and not first.from_record
+    assert (again.batch_size, again.compiled_totals) == (first.batch_size, first.compiled_totals)
+    assert "as found by an earlier search" in again.describe()
+    other = planner.largest_batch(run, limit=2000, margin=0)
+    assert len(compiled) > count and other.batch_size > first.batch_size
+
+
 def test_largest_batch_is_zero_when_nothing_fits(monkeypatch):
     run, compiled = synthetic(monkeypatch, lambda b: 1000 + b)
     assert planner.largest_batch(run, limit=900, margin=0).batch_size == 0
@@ -93,6 +108,7 @@ def test_largest_batch_needs_a_limit_on_a_cpu():
         planner.largest_batch(tiny_run())
 
 
+@pytest.mark.slow
 def test_largest_batch_of_a_real_step_fits_and_the_next_does_not():
     """On this CPU with a made-up limit: the found batch's compiled step fits, one more
     sequence's does not (whole compiles of llama_tiny, batches in steps of grad_accum)."""

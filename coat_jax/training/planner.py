@@ -26,7 +26,10 @@ Nothing is allocated on the device: every tree here is abstract.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +124,16 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
     return plan
 
 
-def _compiled(run: Run, batch_size: int | None):
-    """``run``'s train step compiled for a batch of ``batch_size`` (nothing runs)."""
+def _lowered(run: Run, batch_size: int | None):
+    """``run``'s train step lowered for a batch of ``batch_size`` (nothing runs)."""
     params, opt_state = run.abstract_state()
     with jax.set_mesh(run.placement.mesh):
-        return run.train_step.lower(params, opt_state, run.abstract_batch(batch_size)).compile()
+        return run.train_step.lower(params, opt_state, run.abstract_batch(batch_size))
+
+
+def _compiled(run: Run, batch_size: int | None):
+    """``run``'s train step compiled for a batch of ``batch_size`` (nothing runs)."""
+    return _lowered(run, batch_size).compile()
 
 
 def _total(analysis) -> int:
@@ -160,6 +168,7 @@ class LargestBatch:
       margin: bytes kept free beyond the compiled plan.
       compiled_totals: compiled bytes per device of each batch it compiled.
       allocator: the allocator's environment variables (``coat_jax.core.measure``).
+      from_record: read from an earlier search of the same program (:func:`largest_batch`).
     """
 
     batch_size: int
@@ -167,15 +176,20 @@ class LargestBatch:
     margin: int
     compiled_totals: dict[int, int]
     allocator: dict[str, str]
+    from_record: bool = False
 
     def describe(self) -> str:
         """One line: the batch, the limit and the allocator settings it assumed."""
-        totals = ", ".join(f"{b}: {t / 2**30:.1f}" for b, t in sorted(self.compiled_totals.items()))
-        settings = ", ".join(f"{k.removeprefix('XLA_PYTHON_CLIENT_')}={v}"
-                             for k, v in self.allocator.items())  # fmt: skip
-        return (f"largest batch that fits: {self.batch_size} (limit {self.limit / 2**30:.1f} GiB "
-                f"per device, less {self.margin / 2**20:.0f} MiB; compiled GiB by batch: "
-                f"{totals}; allocator {settings})")  # fmt: skip
+        unit, size = ("GiB", 2**30) if self.limit >= 2**30 else ("MiB", 2**20)
+        totals = ", ".join(f"{b}: {t / size:.1f}" for b, t in sorted(self.compiled_totals.items()))
+        return (f"largest batch that fits: {self.batch_size} (limit {self.limit / size:.1f} {unit} "
+                f"per device, less {self.margin / 2**20:.0f} MiB; compiled {unit} by batch: "
+                f"{totals}; allocator {_settings_text(self.allocator)}"
+                f"{'; as found by an earlier search' if self.from_record else ''})")  # fmt: skip
+
+
+def _settings_text(settings: dict[str, str]) -> str:
+    return ", ".join(f"{k.removeprefix('XLA_PYTHON_CLIENT_')}={v}" for k, v in settings.items())
 
 
 def batch_on_curve(totals: dict[int, int], room: float, step: int, lo: int,
@@ -205,7 +219,8 @@ def largest_batch(run: Run, *, limit: int | None = None, margin: int = MARGIN,
                   max_compiles: int = 8) -> LargestBatch:  # fmt: skip
     """The largest batch of ``run`` whose compiled train step fits ``limit`` - ``margin``
     bytes per device (see the module docstring). Batches move in steps of one sequence per
-    device that splits the batch, times ``grad_accum``.
+    device that splits the batch, times ``grad_accum``. With ``config.compile_cache_dir`` set,
+    the result is kept there and an identical search later reads it (:func:`_record_path`).
 
     Raises:
       ValueError: no limit is known (a CPU: set ``config.memory_limit_gb``).
@@ -218,6 +233,13 @@ def largest_batch(run: Run, *, limit: int | None = None, margin: int = MARGIN,
         )
     room = limit - margin
     step = run.placement.batch_shards * run.config.grad_accum
+    record = _record_path(run, step, limit, margin)
+    if record is not None and os.path.exists(record):
+        with open(record) as f:
+            found = json.load(f)
+        totals = {int(b): t for b, t in found["compiled_totals"].items()}
+        return LargestBatch(found["batch_size"], limit, margin, totals,
+                            measure.allocator_settings(), from_record=True)  # fmt: skip
     first = memory_plan(run, step)  # the analytic model's, for the first probe
     totals = {step: first["compiled_total"]}
 
@@ -225,7 +247,14 @@ def largest_batch(run: Run, *, limit: int | None = None, margin: int = MARGIN,
         totals[b] = compiled_total(run, b)
         return totals[b] <= room
 
-    result = lambda b: LargestBatch(b, limit, margin, dict(totals), measure.allocator_settings())
+    def result(b: int) -> LargestBatch:
+        if record is not None:
+            os.makedirs(os.path.dirname(record), exist_ok=True)
+            with open(record + ".tmp", "w") as f:
+                json.dump({"batch_size": b, "compiled_totals": totals}, f)
+            os.replace(record + ".tmp", record)
+        return LargestBatch(b, limit, margin, dict(totals), measure.allocator_settings())
+
     if totals[step] > room:
         return result(0)
     lo, hi = step, None
@@ -243,6 +272,24 @@ def largest_batch(run: Run, *, limit: int | None = None, margin: int = MARGIN,
         on_curve = batch_on_curve(totals, room, step, lo, hi)
         candidate = lo + step if on_curve is None else on_curve
     return result(lo)
+
+
+def _record_path(run: Run, step: int, limit: int, margin: int) -> str | None:
+    """Where the search's result for this program is kept, beside JAX's persistent compilation
+    cache (``config.compile_cache_dir``; ``None`` when it is off): a file named by a hash of
+    the step's lowered program at the smallest batch, its compiler options, the limit, the
+    margin, jax's version and the device kind. A dry run's search then serves the
+    ``batch_size=-1`` run after it when the two configs differ in nothing but ``batch_size``
+    and what never reaches the step (the learning-rate schedule does: ``steps`` is part of
+    the program)."""
+    directory = run.config.compile_cache_dir
+    if not directory:
+        return None
+    key = hashlib.sha256(_lowered(run, step).as_text().encode())
+    options = run.model.policy().compiler_options()
+    devices = {d.device_kind for d in run.placement.mesh.devices.flat}
+    key.update(repr((options, limit, margin, jax.__version__, sorted(devices))).encode())
+    return os.path.join(directory, "largest_batch", key.hexdigest()[:32] + ".json")
 
 
 def _analytic_batch(plan: dict, batch: int, room: float, cap: int = 1 << 16) -> int:
@@ -287,10 +334,8 @@ def format_plan(plan: dict) -> str:
     if limit:
         verdict = "fits" if plan["compiled_total"] <= limit else "does NOT fit"
         lines.append(f"  {'device memory (allocator limit)':36s}{gb(limit)}  -> {verdict}")
-        settings = measure.allocator_settings()
         lines.append("  (the limit: XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU; allocator "
-                     + ", ".join(f"{k.removeprefix('XLA_PYTHON_CLIENT_')}={v}"
-                                 for k, v in settings.items()) + ")")  # fmt: skip
+                     f"{_settings_text(measure.allocator_settings())})")  # fmt: skip
     else:
         lines.append("  device memory: unknown on this backend (host RAM)")
     return "\n".join(lines)
