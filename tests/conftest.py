@@ -1,11 +1,15 @@
-"""Shared pytest setup: hypothesis profiles and the `gpu` marker."""
+"""Shared pytest setup: hypothesis profiles, the `gpu` marker, slow tests first, and GPU
+memory shared between parallel workers (`pytest -n`)."""
 
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before JAX starts: workers share each GPU
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from pallas_kernels.dispatch import hopper_gpu
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from pallas_kernels.dispatch import hopper_gpu  # noqa: E402
 
 settings.register_profile(
     "default", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
@@ -17,6 +21,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests marked slow first (a stable sort): under `pytest -n` the long ones start at once
+    # instead of leaving one worker busy after the other has finished.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if hopper_gpu():  # the kernels' own dispatch rule
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU")

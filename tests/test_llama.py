@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from coat_jax.models import llama
-from coat_jax.training.data import BatchSampler, ByteTokenizer, load_tokens
+from coat_jax.tools import quant_error
 
 TINY = llama.PRESETS["tiny"]
 
@@ -53,6 +53,7 @@ def model_grads(precision, tokens, compute_dtype):
     return jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
 
 
+@pytest.mark.slow
 def test_model_gradients_against_fp32():
     """Whole-model gradient, relative error vs the same model in fp32 math.
 
@@ -72,23 +73,9 @@ def test_model_gradients_against_fp32():
     assert err["coat"] < 1.25 * err["fp8_linear"]
 
 
-def train_tiny(precision, steps=300, seq=64, batch=16):
-    sampler = BatchSampler(load_tokens("stdlib", ByteTokenizer()), seq, batch, seed=1)
-    graph, params = nnx.split(build(precision))
-    opt = optax.adamw(3e-3, weight_decay=0.0)
-    state = opt.init(params)
-
-    @jax.jit
-    def step(params, state, tokens):
-        loss, g = jax.value_and_grad(lambda p: llama.loss_fn(nnx.merge(graph, p), tokens))(params)
-        updates, state = opt.update(g, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    losses = []
-    for i in range(steps):
-        params, state, loss = step(params, state, sampler.batch(i, "train"))
-        losses.append(loss)
-    return np.asarray(losses)
+def train_tiny(precision, steps=150):
+    config = dataclasses.replace(TINY, precision=precision)
+    return quant_error.train_llama(optax.adamw(3e-3, weight_decay=0.0), steps, config, seed=1)[0]
 
 
 @pytest.mark.slow

@@ -33,7 +33,11 @@ def launch(workdir, mesh, *extra, devices=8, env_extra=None):
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/llama_tiny.py"),
            f"--config.workdir={workdir}", *STEPS, *extra]  # fmt: skip
     cmd += [f"--config.mesh.{k}={v}" for k, v in zip(("data", "fsdp", "tensor"), mesh, strict=True)]
+    # Runs of the same program (a resumed run and the run it resumes) share their compiles.
+    cache = pathlib.Path(workdir).parent / "xla_cache"
+    cmd += [f"--config.compile_cache_dir={cache}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -90,15 +94,17 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_meshes_processes_and_checkpoints(tmp_path):
-    """One device vs meshes 8x1x1, 2x4x1, 2x2x2 (coat + fp8_adamw; and bf16 + adamw with tight
-    tolerances; and the fused optimizer kernel sharded on 2x4x1), a checkpoint saved on 2x4x1
+    """One device (coat + fp8_adamw, the XLA chain) vs meshes 2x4x1 (the fused optimizer kernel
+    on each shard) and 2x2x2, bf16 + adamw with tight tolerances, a checkpoint saved on 2x4x1
     resumed on 2x2x2 and on one device, and 2 processes x 4 CPU devices joined by
     jax.distributed (gloo) vs 1 process x 8."""
     port = free_port()
+    fused = "--config.optimizer.kernels=interpret"  # the fused update's kernel on each shard
     multi = [
         launch(
             tmp_path / "two_processes",
             (2, 4, 1),
+            fused,
             devices=4,
             env_extra={
                 "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
@@ -113,17 +119,15 @@ def test_meshes_processes_and_checkpoints(tmp_path):
     assert "step 10" not in outs[1]  # only process 0 logs
 
     ref = tmp_path / "one_device"
-    run(ref, (1, 1, 1), devices=1)
-    for mesh in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
-        workdir = tmp_path / "x".join(map(str, mesh))
-        run(workdir, mesh)
-        assert_runs_close(workdir, ref)
+    run(ref, (1, 1, 1), devices=1)  # the XLA chain on one device
+    # 2x4x1 with the fused optimizer kernel (interpreted) on each device's shard, vs the chain
+    out = run(tmp_path / "2x4x1", (2, 4, 1), fused)
+    assert "Optimizer: fused FP8 AdamW kernel" in out
+    assert_runs_close(tmp_path / "2x4x1", ref)
+    run(tmp_path / "2x2x2", (2, 2, 2))
+    assert_runs_close(tmp_path / "2x2x2", ref)
     # Same program on 8 devices in one process or in two: equal up to collective sum order.
     assert_runs_close(tmp_path / "two_processes", tmp_path / "2x4x1")
-    # The fused optimizer kernel (interpreted) on each device's shard, vs the XLA chain.
-    out = run(tmp_path / "fused_2x4x1", (2, 4, 1), "--config.optimizer.kernels=interpret")
-    assert "Optimizer: fused FP8 AdamW kernel" in out
-    assert_runs_close(tmp_path / "fused_2x4x1", ref)
 
     bf16 = ("--config.precision=bf16", "--config.optimizer.name=adamw")
     run(tmp_path / "bf16_one_device", (1, 1, 1), *bf16, devices=1)
@@ -135,7 +139,7 @@ def test_meshes_processes_and_checkpoints(tmp_path):
         resumed = tmp_path / f"resumed_on_{'x'.join(map(str, mesh))}"
         shutil.copytree(saved, resumed)
         shutil.rmtree(resumed / "checkpoints" / "10")
-        out = run(resumed, mesh, "--config.resume=True", devices=devices)
+        out = run(resumed, mesh, "--config.resume=True", devices=devices)  # the XLA chain
         assert "Resumed from step 5" in out
         np.testing.assert_array_equal(params(resumed, 5), params(saved, 5))
         assert_runs_close(resumed, saved, steps=(10,))

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     graph, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
     opt = coat_jax.fp8_adamw(1e-3, min_size=0)
     state = opt.init(params)
-    for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
+    for shape in [(2, 4, 1), (2, 2, 2)]:  # (8, 1, 1): test_parallel's two-process run
         mesh = sharding.make_mesh(*shape)
         pspec = sharding.param_specs(mesh, params)
         sspec = sharding.optimizer_specs(mesh, opt, state, pspec)
@@ -109,7 +109,7 @@ FUSED_SCRIPT = textwrap.dedent(
                        in_shardings=(ps, ps, ss), out_shardings=(ps, ss))
         return mesh, step, (ps, ps, ss)
 
-    for shape in [(8, 1, 1), (1, 8, 1), (2, 2, 2)]:
+    for shape in [(8, 1, 1), (2, 2, 2)]:  # (1, 8, 1) below, with aligned groups
         mesh, step, placed = sharded_step(shape, params, state)
         with jax.set_mesh(mesh):
             got_p, got_s = step(*jax.device_put((params, grads, state), placed))
@@ -127,7 +127,7 @@ FUSED_SCRIPT = textwrap.dedent(
     cfg = LlamaConfig(vocab_size=512, dim=1024, n_layers=1, n_heads=8, ffn_dim=2048)
     params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))[1]
     state = adam.init(params)
-    for shape in [(1, 8, 1), (1, 2, 4), (2, 2, 2)]:
+    for shape in [(1, 8, 1), (2, 2, 2)]:
         mesh, step, _ = sharded_step(shape, params, state)
         with jax.set_mesh(mesh):
             hlo = step.lower(params, params, state).compile().as_text()

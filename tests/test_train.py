@@ -20,10 +20,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/llama_tiny.py")]
 
 
-def train(workdir, *overrides, wait=True):
+def train(workdir, *overrides, wait=True, cache=None):
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"--config.workdir={workdir}"]
     cmd += list(overrides)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    env["PYTHONPATH"] = str(ROOT)  # and train.py's own allocator settings
+    if cache:  # runs of the same program share their compiles (JAX's persistent cache)
+        cmd.append(f"--config.compile_cache_dir={cache}")
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     if not wait:
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -55,19 +59,19 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_kill_is_bit_identical(tmp_path):
-    args = ["--config.steps=200", "--config.checkpoint_interval=20", "--config.log_interval=20"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert train(ref, *args).returncode == 0
-    proc = train(run, *args, wait=False)
+    args = ["--config.steps=100", "--config.checkpoint_interval=20", "--config.log_interval=20"]
+    ref, run, cache = tmp_path / "ref", tmp_path / "run", tmp_path / "cache"
+    assert train(ref, *args, cache=cache).returncode == 0
+    proc = train(run, *args, wait=False, cache=cache)
     deadline = time.time() + 300
-    while not (run / "checkpoints" / "60").exists() and time.time() < deadline:
+    while not (run / "checkpoints" / "40").exists() and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    out = train(run, *args, "--config.resume=True")
+    out = train(run, *args, "--config.resume=True", cache=cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Resumed from step" in out.stdout
-    for a, b in zip(saved_params(ref, 200), saved_params(run, 200), strict=True):
+    for a, b in zip(saved_params(ref, 100), saved_params(run, 100), strict=True):
         np.testing.assert_array_equal(a, b)
     losses = lambda d: [(r["step"], r["train_loss"]) for r in metrics(d)]
     assert losses(ref) == losses(run)
@@ -134,7 +138,8 @@ def test_allocator_is_set_unless_the_user_chose(tmp_path):
     first = out.stdout.splitlines()[0]
     assert first.startswith("Allocator: XLA_PYTHON_CLIENT_PREALLOCATE=true, "
                             "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (set by train.py")  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    env.update(PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"--config.workdir={tmp_path / 'b'}"]
     out = subprocess.run([*cmd, *common], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.stdout.splitlines()[0] == ("Allocator: XLA_PYTHON_CLIENT_PREALLOCATE=true, "
@@ -148,18 +153,26 @@ def test_allocator_is_set_unless_the_user_chose(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_prints_the_largest_batch_and_batch_minus_one_trains_at_it(tmp_path):
-    """On a CPU with a made-up limit (config.memory_limit_gb): --dry_run prints the plan and
-    the largest batch; --config.batch_size=-1 finds the same and trains at it."""
-    limit = ("--config.memory_limit_gb=0.3", "--config.seq_len=32")
-    out = train(tmp_path / "plan", *limit, "--dry_run")
+    """On a CPU with a made-up limit (config.memory_limit_gb): --dry_run prints the largest batch
+    and the plan at it; --config.batch_size=-1 trains at it, reading the dry run's search from
+    beside the compilation cache instead of compiling again."""
+    same = ("--config.memory_limit_gb=0.2735", "--config.seq_len=32", "--config.batch_size=-1",
+            "--config.steps=2", "--config.log_interval=1", "--config.checkpoint_interval=0",
+            "--config.optimizer.warmup_steps=0")  # fmt: skip
+    cache = tmp_path / "cache"  # the dry run's compiles serve the run after it, as on a GPU
+    out = train(tmp_path / "plan", *same, "--dry_run", cache=cache)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "total, compiled" in out.stdout and "largest batch that fits: " in out.stdout
-    planned = json.loads((tmp_path / "plan" / "memory_plan.json").read_text())["largest_batch"]
-    assert planned > 8  # llama_tiny's own batch fits, and more
-    out = train(tmp_path / "run", *limit, "--config.batch_size=-1", "--config.steps=2",
-                "--config.log_interval=1", "--config.checkpoint_interval=0",
-                "--config.optimizer.warmup_steps=0")  # fmt: skip
+    plan = json.loads((tmp_path / "plan" / "memory_plan.json").read_text())
+    planned, search = plan["largest_batch"], plan["largest_batch_search"]
+    assert planned > 1 and plan["batch_size"] == planned  # the plan at the largest batch
+    room = 0.2735e9 - 256 * 2**20
+    assert search["limit"] == 0.2735e9 and search["margin"] == 256 * 2**20
+    totals = {int(b): t for b, t in search["compiled_totals"].items()}  # real compiles
+    assert totals[planned] == plan["compiled_total"] <= room < totals[planned + 1]
+    assert out.stdout.index("largest batch that fits: ") < out.stdout.index("total, compiled")
+    out = train(tmp_path / "run", *same, cache=cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"largest batch that fits: {planned} " in out.stdout
+    assert "as found by an earlier search" in out.stdout
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["batch_size"] == planned and len(metrics(tmp_path / "run")) == 2

@@ -62,6 +62,7 @@ def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch():
     assert count(inside) == 0
 
 
+@pytest.mark.slow
 def test_fused_optimizer_step_matches_the_optax_chain():
     """``make_fused_update`` (the adam_update kernel, interpreted here) against
     ``make_optimizer``'s chain + ``apply_updates``, from the same start over 3 steps with
@@ -96,6 +97,7 @@ def test_fused_optimizer_step_matches_the_optax_chain():
         np.testing.assert_allclose(a, b, atol=0.05 * lr, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_bf16_gradients_reach_the_fused_update_and_train_like_fp32(grad_accum):
     """grad_dtype=bfloat16: with one micro-batch the fused update receives bf16 gradients (no
