@@ -75,6 +75,8 @@ def dry_run(run) -> None:
         show_plan(largest.batch_size)
     if largest is not None:
         plan["largest_batch"] = largest.batch_size
+        plan["largest_batch_search"] = {"limit": largest.limit, "margin": largest.margin,
+                                        "compiled_totals": largest.compiled_totals}  # fmt: skip
     if is_main():
         with open(os.path.join(config.workdir, "memory_plan.json"), "w") as f:
             json.dump(plan, f, indent=2)
