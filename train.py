@@ -16,6 +16,8 @@ set in the environment, it preallocates 95% of each GPU (``coat_jax.training.all
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
 import os
 import sys
@@ -29,11 +31,13 @@ from ml_collections import config_flags
 
 from coat_jax.core import measure
 from coat_jax.training import allocator, configs, data, finetune, metrics, parallel, planner
-from coat_jax.training.checkpoint import Checkpointer
+from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError
+from coat_jax.training.preemption import StopRequest
 from coat_jax.training.run import assemble
-from coat_jax.training.step import global_batch
+from coat_jax.training.step import NonFiniteSteps, NonFiniteStepsError, global_batch
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py", "Training config file.")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama.py")
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file.")
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the train step, print its memory plan and the largest batch that "
     "fits, exit.",
@@ -90,7 +94,7 @@ def evaluate(run, params, sampler) -> float:
 
 def main(argv, allocator_set: dict) -> None:
     del argv
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax: INFO per save, WARNING per damage
     config = _CONFIG.value
     settings = ", ".join(f"{k}={v}" for k, v in measure.allocator_settings().items())
     log(f"Allocator: {settings}" + (" (set by train.py; export them to choose)"
@@ -103,6 +107,12 @@ def main(argv, allocator_set: dict) -> None:
         run = assemble(config)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: {e}")
+    corpus = None
+    if not _DRY_RUN.value:
+        try:  # the data is checked before anything compiles
+            corpus = data.load_corpus(config, run.tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"train.py: config.data: {e}")
     os.makedirs(config.workdir, exist_ok=True)
     log(f"Llama {run.model.num_params() / 1e6:.2f}M params, precision={config.precision}, "
         f"optimizer={config.optimizer.name}, {jax.device_count()} devices "
@@ -112,6 +122,8 @@ def main(argv, allocator_set: dict) -> None:
     with jax.set_mesh(run.placement.mesh):
         if _DRY_RUN.value:
             return dry_run(run)
+        ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
+        start = resume_point(run, ckpt)  # before the planner: a refused resume stops at once
         if config.batch_size == -1:
             try:
                 largest = planner.largest_batch(run)
@@ -121,44 +133,118 @@ def main(argv, allocator_set: dict) -> None:
                 sys.exit(f"train.py: config.batch_size=-1: no batch fits; {largest.describe()}")
             log(largest.describe())
             config.batch_size = largest.batch_size
-        train(run)
+        train(run, ckpt, start, data.make_sampler(config, run.tokenizer, corpus))
 
 
-def train(run) -> None:
-    """The training loop."""
-    config, placement = run.config, run.placement
+def saved_config(ckpt, step: int, workdir: str) -> dict | None:
+    """The config a checkpoint was written under: its meta's, else the workdir's config.json
+    (checkpoints from before the meta held it); ``None`` if neither is readable."""
     try:
-        sampler = data.make_sampler(config, run.tokenizer)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"train.py: config.data: {e}")
-    ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
-    writer = metrics.MetricsWriter(config.workdir)
+        saved = ckpt.read_meta(step).get("config")
+    except Exception:  # noqa: BLE001 - a damaged newest checkpoint: the walk-back says why
+        saved = None
+    if saved is None and os.path.exists(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json")) as f:
+            saved = json.load(f)
+    return saved
 
-    start_step, latest = 0, ckpt.latest_step()
-    if latest is not None and not config.resume:
-        sys.exit(
-            f"train.py: {ckpt.directory} already holds checkpoints (latest step {latest}); pass "
-            "--config.resume=True to continue that run or choose another --config.workdir"
-        )
-    started = time.perf_counter()
+
+def resume_point(run, ckpt) -> int | None:
+    """The step a run continues from: ``None`` for a fresh start (after refusing a workdir
+    that holds an earlier run without ``resume=True``), else the newest checkpoint's, once
+    its config has been compared with this run's (keys that change the state's shapes are
+    refused; the others are listed). Exits with one line on a refusal."""
+    config = run.config
+    latest = ckpt.latest_step()
+    metrics_path = os.path.join(config.workdir, "metrics.jsonl")
+    if not config.resume:
+        if latest is not None:
+            sys.exit(f"train.py: {ckpt.directory} already holds checkpoints (latest step "
+                     f"{latest}); pass --config.resume=True to continue that run or choose "
+                     "another --config.workdir")  # fmt: skip
+        if os.path.exists(metrics_path):
+            sys.exit(f"train.py: {metrics_path} holds an earlier run's metrics (no checkpoint "
+                     "to resume); pass --config.resume=True to start over in this workdir "
+                     "(they are kept aside) or choose another --config.workdir")  # fmt: skip
+        return None
     if latest is None:
+        return None
+    saved = saved_config(ckpt, latest, config.workdir)
+    if saved is not None:
+        refused, changed = configs.resume_changes(saved, config)
+        if refused:
+            sys.exit(f"train.py: cannot resume {ckpt.directory}: these keys change the saved "
+                     f"state's shapes: {'; '.join(refused)}")  # fmt: skip
+        if saved.get("seed") != config.seed:
+            sys.exit(f"train.py: config.seed={config.seed} differs from the checkpoint's "
+                     f"({saved.get('seed')}): the data order would change")  # fmt: skip
+        if changed:
+            log(f"Resuming with changed config keys: {'; '.join(changed)}")
+    return latest
+
+
+def keep_aside(path: str) -> str:
+    """Renames ``path`` to the first free ``<stem>.<n><ext>``; returns the new name."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    os.replace(path, f"{stem}.{n}{ext}")
+    return f"{stem}.{n}{ext}"
+
+
+def restore(run, ckpt, latest):
+    """``(params, opt_state, start_step)``: fresh (``latest`` None) or the newest checkpoint
+    that restores and is finite, walking back from ``latest``; the metrics file is cut to
+    the restored step (fresh in a resumed workdir: the old one is kept aside)."""
+    config = run.config
+    writer_path = os.path.join(config.workdir, "metrics.jsonl")
+    restored = None
+    if latest is not None:
+        restored = ckpt.restore_newest(*run.abstract_state(), log=log,
+                                       at_most=config.resume_step or None)  # fmt: skip
+        if restored is None:
+            sys.exit(f"train.py: no checkpoint in {ckpt.directory} restores; each was moved to "
+                     f"{ckpt.damaged_directory}. Run again to start this workdir anew")  # fmt: skip
+    if restored is None:
+        started = time.perf_counter()
         params, opt_state = run.create()
         log(f"Initialized in {time.perf_counter() - started:.0f} s")
-        if is_main() and os.path.exists(writer.path):
-            os.remove(writer.path)  # no checkpoint: these metrics belong to nothing resumable
-    else:  # restored straight into this run's shards, whatever mesh saved them
-        params, opt_state, meta = ckpt.restore(latest, *run.abstract_state())
-        start_step = meta["step"]
-        if meta.get("seed") != config.seed:
-            sys.exit(f"train.py: config.seed={config.seed} differs from the checkpoint's {meta}")
-        if is_main():
-            kept = [r for r in writer.read() if r["step"] <= start_step]
-            with open(writer.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-        log(f"Resumed from step {start_step} ({ckpt.directory})")
+        if is_main() and os.path.exists(writer_path):  # resume=True with nothing to resume
+            log(f"Earlier metrics kept as {keep_aside(writer_path)}")
+        return params, opt_state, 0
+    start = restored.meta["step"]
+    if is_main() and os.path.exists(writer_path):
+        with open(writer_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+        with open(writer_path, "w") as f:
+            f.writelines(kept)
+    log(f"Resumed from step {start} ({ckpt.directory})")
+    return restored.params, restored.opt_state, start
+
+
+@contextlib.contextmanager
+def stops_cleanly(ckpt):
+    """Ends the run with one line (after the checkpoints being written are complete) when the
+    loop stops on non-finite steps or a non-finite state."""
+    try:
+        yield
+    except (NonFiniteStepsError, NonFiniteStateError) as e:
+        ckpt.wait()
+        ckpt.close()
+        sys.exit(f"train.py: {e}")
+
+
+def train(run, ckpt, latest, sampler) -> None:
+    """The training loop: from ``latest`` (a checkpoint step, or ``None``) to
+    ``config.steps``, stopping early with a checkpoint on SIGTERM / SIGINT."""
+    config, placement = run.config, run.placement
+    params, opt_state, start_step = restore(run, ckpt, latest)
+    writer = metrics.MetricsWriter(config.workdir)
     if is_main():
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
+    meta = {"seed": config.seed, "config": json.loads(config.to_json())}
 
     batch_shape = run.batch_shape()
     tokens_per_step = config.batch_size * config.seq_len
@@ -168,60 +254,116 @@ def train(run) -> None:
 
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
-    for step in range(start_step, config.steps):
-        batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
-        params, opt_state, m = run.train_step(params, opt_state, batch)
-        window_steps += 1
-        done = step + 1
-        if step == start_step:  # keep compilation out of the throughput numbers
-            jax.block_until_ready(m)
-            log(f"First step (with compilation): {time.perf_counter() - window_start:.0f} s")
-            window_start, window_steps = time.perf_counter(), 0
-        if done % config.log_interval == 0 or done == config.steps:
-            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])  # waits for the device
-            seconds = (time.perf_counter() - window_start) / max(window_steps, 1)
-            record = {"step": done, "train_loss": loss, "grad_norm": grad_norm,
-                      "lr": float(run.optimizer.schedule(step)),
-                      "tokens_per_s": tokens_per_step / seconds,
-                      "step_ms": seconds * 1e3}  # fmt: skip
-            record["tokens_per_s_per_device"] = record["tokens_per_s"] / jax.device_count()
-            mfu = metrics.mfu(run.model, config.seq_len, record["tokens_per_s"],
-                              jax.device_count(), config.peak_tflops)  # fmt: skip
-            if mfu is not None:
-                record["mfu"] = mfu
-            peak = measure.device_memory().peak  # the fullest local device's
-            if peak is not None:
-                record["peak_mem_gb"] = peak / 1e9
-            if done % config.eval_interval == 0 or done == config.steps:
-                record["eval_loss"] = evaluate(run, params, sampler)
-            if is_main():
-                writer.write(record)
-            if not np.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {done}; stopping")
-            line = " ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-            )
+    nonfinite = NonFiniteSteps(config.skip_nonfinite, log)
+    pending = None  # the previous step's metrics, read once the next step is dispatched
+    done = start_step
+    with StopRequest(announce=log) as stop, stops_cleanly(ckpt):
+        for step in range(start_step, config.steps):
+            batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
+            params, opt_state, m = run.train_step(params, opt_state, batch)
+            if pending is not None:
+                nonfinite.check(*pending)
+            pending = (step + 1, m)
+            window_steps += 1
+            done = step + 1
+            if step == start_step:  # keep compilation out of the throughput numbers
+                jax.block_until_ready(m)
+                log(f"First step (with compilation): {time.perf_counter() - window_start:.0f} s")
+                window_start, window_steps = time.perf_counter(), 0
+            if done % config.log_interval == 0 or done == config.steps:
+                nonfinite.check(*pending)
+                pending = None
+                record = {"step": done, "train_loss": float(m["loss"]),
+                          "grad_norm": float(m["grad_norm"])}  # fmt: skip
+                record["lr"] = float(run.optimizer.schedule(step))
+                if window_steps:  # a window that holds only the compiling step has no rate
+                    seconds = (time.perf_counter() - window_start) / window_steps
+                    record.update(tokens_per_s=tokens_per_step / seconds,
+                                  step_ms=seconds * 1e3)  # fmt: skip
+                    record["tokens_per_s_per_device"] = record["tokens_per_s"] / jax.device_count()
+                    mfu = metrics.mfu(run.model, config.seq_len, record["tokens_per_s"],
+                                      jax.device_count(), config.peak_tflops)  # fmt: skip
+                    if mfu is not None:
+                        record["mfu"] = mfu
+                if nonfinite.total:
+                    record["skipped_steps"] = nonfinite.total
+                peak = measure.device_memory().peak  # the fullest local device's
+                if peak is not None:
+                    record["peak_mem_gb"] = peak / 1e9
+                if done % config.eval_interval == 0 or done == config.steps:
+                    record["eval_loss"] = evaluate(run, params, sampler)
+                if is_main():
+                    writer.write(record)
+                line = " ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in record.items()
+                )
+                if bar:
+                    bar.set_postfix(loss=f"{record['train_loss']:.3f}",
+                                    tok_s=f"{record.get('tokens_per_s', 0):.0f}")  # fmt: skip
+                    bar.write(line)
+                else:
+                    log(line)
+                window_start, window_steps = time.perf_counter(), 0
             if bar:
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                bar.write(line)
-            else:
-                log(line)
-            window_start, window_steps = time.perf_counter(), 0
-        if bar:
-            bar.update(1)
-        interval = config.checkpoint_interval
-        if interval and (done % interval == 0 or done == config.steps):
-            ckpt.save(done, params, opt_state, {"seed": config.seed, "data_position": done})
+                bar.update(1)
+            interval = config.checkpoint_interval
+            stopping = stop.should_stop() and done < config.steps
+            if stopping or (interval and (done % interval == 0 or done == config.steps)):
+                if pending is not None:
+                    nonfinite.check(*pending)
+                    pending = None
+                ckpt.save(done, params, opt_state, dict(meta, data_position=done))
+            if stopping:
+                break
+        if pending is not None:
+            nonfinite.check(*pending)
     if bar:
         bar.close()
     ckpt.wait()
     ckpt.close()
     if is_main():
         metrics.plot_metrics(writer.read(), os.path.join(config.workdir, "loss.png"))
-    log(f"Done: {config.steps} steps; metrics, loss.png and checkpoints in {config.workdir}")
+    if done < config.steps:
+        log(f"Stopped by {stop.reason} at step {done}: checkpoint {done} saved; continue "
+            "with --config.resume=True")  # fmt: skip
+    else:
+        log(f"Done: {config.steps} steps; metrics, loss.png and checkpoints in {config.workdir}")
+
+
+def config_path(argv: list[str]) -> str:
+    """The ``--config`` file of a command line (the default where none is given)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return DEFAULT_CONFIG
+
+
+def check_command_line(argv: list[str]) -> None:
+    """``--help``: this docstring and every config key with its default. Otherwise exits with
+    one line on a missing config file or an unknown ``--config.<key>`` (ml_collections would
+    raise a chain of tracebacks), naming the closest key."""
+    path = config_path(argv)
+    if not os.path.isfile(path):
+        sys.exit(f"train.py: --config {path}: no such file")
+    flat = configs.describe(configs.load_file(path))
+    keys = [line.split("=", 1)[0].strip()[len("--config.") :] for line in flat.splitlines()]
+    if any(arg in ("--help", "-h", "--helpshort", "--helpfull") for arg in argv):
+        print(f"{__doc__}\nConfig keys, with their values in {path}:\n{flat}")
+        sys.exit(0)
+    for arg in argv:
+        if arg.startswith("--config."):
+            key = arg[len("--config.") :].split("=", 1)[0]
+            if key not in keys and not any(k.startswith(key + ".") for k in keys):
+                close = difflib.get_close_matches(key, keys, n=1)
+                hint = f" (did you mean --config.{close[0]}?)" if close else ""
+                sys.exit(f"train.py: --config.{key}: no such config key{hint}; --help lists them")
 
 
 if __name__ == "__main__":
     _allocator_set = allocator.configure()  # before anything starts JAX's backend
     parallel.initialize_from_env()  # before the config file asks JAX which backend it has
+    check_command_line(sys.argv[1:])
     app.run(lambda argv: main(argv, _allocator_set))

@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -188,3 +189,30 @@ def test_batch_must_divide_over_the_mesh(tmp_path):
     proc = launch(tmp_path, (8, 1, 1), "--config.batch_size=4")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "divide over mesh data x fsdp = 8" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path):
+    """A scheduler that signals only one process: both agree on the step (an any-reduction
+    read one step later), write one checkpoint together and exit 0."""
+    port = free_port()
+    procs = [
+        launch(tmp_path / "run", (2, 4, 1), "--config.steps=5000", "--config.log_interval=1000",
+               "--config.checkpoint_interval=0", devices=4,
+               env_extra={"JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                          "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})  # fmt: skip
+        for i in range(2)
+    ]
+    lines = []
+    for line in procs[0].stdout:
+        lines.append(line)
+        if "First step" in line:
+            break
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    stopped = [ln for ln in outs[0].splitlines() if ln.startswith("Stopped by")]
+    assert stopped and "a signal to another process" in stopped[0], "".join(lines) + outs[0]
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [str(step)]
+    assert len(params(tmp_path / "run", step)) > 0

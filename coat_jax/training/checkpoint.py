@@ -2,24 +2,110 @@
 
 A checkpoint holds three items: ``params`` and ``opt_state`` (FP8 codes, fp32 scales and uint8
 exponents restore bit-exactly; orbax saves float8 dtypes natively) and ``meta`` (JSON: step,
-data position, seed). Orbax writes each step into a temporary folder and renames it when
-complete, so a process killed mid-save leaves the previous checkpoints loadable; the newest
-``keep`` are kept. Saves are asynchronous: training continues while the bytes are written.
+data position, seed, the run's config). Orbax writes each step into a temporary folder and
+renames it when complete, so a process killed mid-save leaves the previous checkpoints
+loadable; the newest ``keep`` are kept. Saves are asynchronous: training continues while the
+bytes are written.
+
+What is never kept or loaded: a state with a non-finite value (:meth:`Checkpointer.save`
+refuses it, :meth:`Checkpointer.restore_newest` skips it), and a checkpoint that does not
+restore (a truncated or garbage file, a missing item, an empty step folder).
+:meth:`Checkpointer.restore_newest` walks back from the newest step to the newest one that
+restores and is finite, and moves each one it passes into ``<directory>_damaged/`` (nothing a
+user saved is deleted), saying why in one line. Rolling back past intact checkpoints (after a
+divergence) moves the newer ones into ``<directory>_superseded/``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import shutil
+import sys
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "NonFiniteStateError", "Restored", "all_finite"]
+
+
+class NonFiniteStateError(ValueError):
+    """A state holding NaN or Inf was about to be saved."""
+
+
+@jax.jit
+def _all_finite(leaves):
+    flags = [jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(flags).all() if flags else jnp.bool_(True)
+
+
+def all_finite(*trees) -> bool:
+    """Whether every floating-point value in ``trees`` is finite (one jitted reduction, run
+    where the arrays are; FP8 codes included)."""
+    return bool(_all_finite(jax.tree.leaves(trees)))
 
 
 def _abstract(tree):
     """Restore target: shapes, dtypes and shardings of ``tree`` (arrays or abstract)."""
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+_READ_ERRORS = ("Encountered error while reading", "Event loop is closed")
+_quieted = False
+
+
+def _quiet_failed_reads() -> None:
+    """Silences the echoes of a failed restore, once it has been reported in one line: the
+    reads orbax still had in flight fail later, in other threads and at garbage collection,
+    each printing a screenful (the TensorStore spec of every array). Only exceptions whose
+    message starts with :data:`_READ_ERRORS` are dropped; everything else prints as before."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    previous = sys.unraisablehook
+
+    def unraisable(u):
+        if not str(u.exc_value).startswith(_READ_ERRORS):
+            previous(u)
+
+    class DropReadErrors(logging.Filter):
+        def filter(self, record):
+            error = record.exc_info[1] if record.exc_info else None
+            return error is None or not str(error).startswith(_READ_ERRORS)
+
+    sys.unraisablehook = unraisable
+    logging.getLogger("asyncio").addFilter(DropReadErrors())
+
+
+def _first_line(e: BaseException) -> str:
+    """The root cause's type and first line (TensorStore's names the file and what is wrong;
+    orbax's wrapper prints a spec)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore_newest` found.
+
+    Attributes:
+      step: the step restored.
+      params, opt_state: the state, laid out like the requested trees.
+      meta: the JSON item (``step``, ``seed``, ``data_position``, ``config`` where saved).
+      skipped: ``(step, reason, moved_to)`` of each newer checkpoint that was passed over.
+    """
+
+    step: int
+    params: object
+    opt_state: object
+    meta: dict
+    skipped: tuple[tuple[int, str, str], ...]
 
 
 class Checkpointer:
@@ -33,6 +119,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        self.damaged_directory = self.directory + "_damaged"
+        self.superseded_directory = self.directory + "_superseded"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -47,6 +135,15 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
+        """Saves ``step`` (asynchronously).
+
+        Raises:
+          NonFiniteStateError: ``params`` or ``opt_state`` holds a NaN or Inf (nothing written).
+        """
+        if not all_finite(params, opt_state):
+            raise NonFiniteStateError(
+                f"step {step}: the parameters or optimizer state hold NaN or Inf; not saved"
+            )
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -67,6 +164,69 @@ class Checkpointer:
             ),
         )
         return restored.params, restored.opt_state, restored.meta
+
+    def read_meta(self, step: int) -> dict:
+        """Only the JSON item of ``step`` (cheap: no array is read)."""
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return self._manager.restore(step, args=args).meta
+
+    def restore_newest(self, params_like, opt_state_like, check_meta=None, log=print,
+                       at_most: int | None = None):  # fmt: skip
+        """The newest checkpoint that restores into the given trees and holds only finite
+        values, as a :class:`Restored`; ``None`` when none does.
+
+        ``at_most``: roll back to this step or before it (a run that diverged); the newer
+        checkpoints are moved to :attr:`superseded_directory`, each said in one line.
+
+        Each newer one that fails (orbax cannot read it, or it holds NaN / Inf) is moved to
+        :attr:`damaged_directory` and reported through ``log`` in one line. ``check_meta(meta)``
+        runs first on each candidate's JSON item and may raise ``ValueError`` to stop the
+        walk (a run that cannot resume from this folder at all, e.g. a changed model shape):
+        that error propagates, nothing is moved.
+        """
+        skipped = []
+        for step in sorted(self.all_steps(), reverse=True):
+            if at_most is not None and step > at_most:
+                moved = self._move_aside(step, self.superseded_directory)
+                log(f"Checkpoint {step} set aside (newer than config.resume_step={at_most}); "
+                    f"moved to {moved}")  # fmt: skip
+                continue
+            try:
+                meta = self.read_meta(step)
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
+                reason = _first_line(e)
+            else:
+                if check_meta is not None:
+                    check_meta(meta)
+                try:
+                    params, opt_state, meta = self.restore(step, params_like, opt_state_like)
+                except Exception as e:  # noqa: BLE001
+                    _quiet_failed_reads()
+                    reason = _first_line(e)
+                else:
+                    if all_finite(params, opt_state):
+                        return Restored(step, params, opt_state, meta, tuple(skipped))
+                    reason = "holds NaN or Inf"
+            moved = self._move_aside(step, self.damaged_directory)
+            log(f"Checkpoint {step} skipped ({reason}); moved to {moved}")
+            skipped.append((step, reason, moved))
+        return None
+
+    def _move_aside(self, step: int, folder: str) -> str:
+        """Moves step ``step``'s folder into ``folder`` (process 0; all wait)."""
+        source = os.path.join(self.directory, str(step))
+        target = os.path.join(folder, str(step))
+        suffix = 1
+        while os.path.exists(target):
+            target = os.path.join(folder, f"{step}.{suffix}")
+            suffix += 1
+        if jax.process_index() == 0:
+            os.makedirs(folder, exist_ok=True)
+            shutil.move(source, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"coat_jax_checkpoint_aside_{step}")
+        self._manager.reload()
+        return target
 
     def restore_params(self, step: int, params_like):
         """Only the params of ``step`` (to fine-tune from a run, or to export it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 
 import ml_collections
 
@@ -23,6 +24,8 @@ from pallas_kernels.dispatch import KERNEL_OPTIONS
 __all__ = [
     "apply_overrides",
     "base_config",
+    "describe",
+    "resume_changes",
     "fp8_recipe",
     "llama_config",
     "load_file",
@@ -110,13 +113,65 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_interval = 100  # also saved at the last step; 0 = never save
     c.keep_checkpoints = 3
     c.resume = False
+    c.resume_step = 0  # with resume: roll back to this checkpoint step or before; 0 = newest
     c.workdir = "runs/llama"
     c.peak_tflops = 0.0  # per device, for MFU; 0 = from the device kind
     c.memory_limit_gb = 0.0  # the planner's device memory per device; 0 = the allocator's limit
     c.compile_cache_dir = ""  # JAX's persistent compilation cache ("" = off)
     c.progress = True
+    # A step whose loss or gradient norm is NaN or Inf leaves params and optimizer state
+    # unchanged (skipped); up to this many in a row are skipped, one more stops the run
+    # (0 = stop at the first).
+    c.skip_nonfinite = 10
     c.lock()
     return c
+
+
+# Keys that decide the shapes or structure of the saved state: a checkpoint cannot resume
+# with another value. Prefixes end in a dot.
+STATE_KEYS = ("model.", "optimizer.name", "optimizer.mu_format", "optimizer.nu_format",
+              "optimizer.expansion", "optimizer.group_size", "optimizer.min_size")  # fmt: skip
+# Keys that steer a run but not what it computes: never reported on resume.
+RUN_CONTROL_KEYS = ("resume", "resume_step", "workdir", "progress", "log_interval", "eval_interval",
+                    "eval_batches", "checkpoint_interval", "keep_checkpoints", "compile_cache_dir",
+                    "memory_limit_gb", "peak_tflops", "init_from", "skip_nonfinite")  # fmt: skip
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_changes(saved: dict, c: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+    """``(refused, changed)``: the keys whose value in ``c`` differs from ``saved`` (a
+    checkpointed run's config, as a dict), as ``"key: old -> new"`` lines. ``refused`` holds
+    the keys that change the saved state's shapes (:data:`STATE_KEYS`; the model, the
+    optimizer's state layout, ``optimizer.grad_clip`` turned on or off), which no checkpoint
+    can resume into; ``changed`` the rest, except :data:`RUN_CONTROL_KEYS`."""
+    old, new = _flat(saved), _flat(json.loads(c.to_json()))
+    refused, changed = [], []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+        if a == b or key in RUN_CONTROL_KEYS:
+            continue
+        line = f"{key}: {a!r} -> {b!r}"
+        clip_switched = key == "optimizer.grad_clip" and (a == 0) != (b == 0)
+        if clip_switched or any(key == k or (k.endswith(".") and key.startswith(k))
+                                for k in STATE_KEYS):  # fmt: skip
+            refused.append(line)
+        else:
+            changed.append(line)
+    return refused, changed
+
+
+def describe(c: ml_collections.ConfigDict) -> str:
+    """Every key of ``c`` with its value, one ``--config.key=value`` a line (``--help``)."""
+    return "\n".join(f"  --config.{k}={v!r}" for k, v in _flat(c.to_dict()).items())
 
 
 def pretraining_config(preset: str) -> ml_collections.ConfigDict:
@@ -180,6 +235,13 @@ def _get(c, key):
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key."""
+    rs = c.resume_step
+    if isinstance(rs, bool) or not isinstance(rs, int) or rs < 0:
+        raise ValueError(f"config.resume_step must be an int >= 0 (0 = the newest), got {rs!r}")
+    sn = c.skip_nonfinite
+    if isinstance(sn, bool) or not isinstance(sn, int) or sn < 0:
+        raise ValueError(f"config.skip_nonfinite must be an int >= 0 (0 = stop at the first "
+                         f"non-finite step), got {sn!r}")  # fmt: skip
     for key in ("seq_len", "grad_accum", "steps", "log_interval", "eval_interval",
                 "eval_batches", "keep_checkpoints"):  # fmt: skip
         _positive_int(c, key)

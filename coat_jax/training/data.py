@@ -40,6 +40,8 @@ __all__ = [
     "ByteTokenizer",
     "ExampleSampler",
     "HFTokenizer",
+    "check_token_range",
+    "load_corpus",
     "load_examples",
     "make_sampler",
     "load_tokenizer",
@@ -143,7 +145,7 @@ def load_tokens(source: str, tokenizer=None, text_key: str = "text") -> np.ndarr
         with open(source, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
+                    record = _json_record(source, n, line)
                     if text_key not in record:
                         raise ValueError(f"{source}:{n}: no field {text_key!r} in this record")
                     texts.append(record[text_key])
@@ -156,6 +158,32 @@ def load_tokens(source: str, tokenizer=None, text_key: str = "text") -> np.ndarr
     if len(tokens) == 0:
         raise ValueError(f"{source}: no tokens")
     return tokens
+
+
+def _json_record(path: str, n: int, line: str) -> dict:
+    """Line ``n`` of the ``.jsonl`` ``path`` as a dict, or a ValueError naming file and line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def check_token_range(tokens, vocab_size: int, source: str) -> None:
+    """Raises ValueError, naming ``source``, if a token id is outside ``[0, vocab_size)``
+    (read in chunks: a memmapped ``.bin`` is scanned once, never loaded whole)."""
+    chunk = 1 << 24
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start : start + chunk])
+        top, low = int(part.max()), int(part.min())
+        if top >= vocab_size or low < 0:
+            bad = start + int(np.argmax((part >= vocab_size) | (part < 0)))
+            raise ValueError(
+                f"{source}: token id {int(tokens[bad])} at position {bad} is outside the "
+                f"model's vocabulary [0, {vocab_size}) (config.model.vocab_size)"
+            )
 
 
 def _load_bin(path: str) -> np.ndarray:
@@ -229,7 +257,7 @@ def load_examples(
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            record = _json_record(path, n, line)
             for key in (prompt_key, response_key):
                 if not isinstance(record.get(key), str):
                     raise ValueError(f"{path}:{n}: no text field {key!r} in this record")
@@ -285,13 +313,31 @@ class ExampleSampler:
         return tokens[picked], mask[picked]
 
 
-def make_sampler(c, tokenizer):
-    """The sampler a training config ``c`` asks for: :class:`BatchSampler` over
-    ``c.data.source`` (``c.data.format="text"``) or :class:`ExampleSampler` over its
-    prompt/response records (``"prompt_response"``)."""
+def load_corpus(c, tokenizer):
+    """The data a training config ``c`` names, loaded and checked (before anything compiles):
+    the tokens of ``c.data.source`` (``c.data.format="text"``) or its prompt/response
+    ``(tokens, mask)`` (``"prompt_response"``), every id inside ``c.model.vocab_size``.
+
+    Raises:
+      FileNotFoundError, ValueError: naming the file (and line) that cannot be used.
+    """
     d = c.data
     if d.format == "prompt_response":
-        tokens, mask = load_examples(d.source, tokenizer, c.seq_len, d.prompt_key, d.response_key)
-        return ExampleSampler(tokens, mask, c.batch_size, c.seed, d.eval_fraction)
-    tokens = load_tokens(d.source, tokenizer, d.text_key)
-    return BatchSampler(tokens, c.seq_len, c.batch_size, c.seed, d.eval_fraction)
+        corpus = load_examples(d.source, tokenizer, c.seq_len, d.prompt_key, d.response_key)
+        tokens = corpus[0].reshape(-1)
+    else:
+        corpus = tokens = load_tokens(d.source, tokenizer, d.text_key)
+    check_token_range(tokens, c.model.vocab_size, d.source)
+    return corpus
+
+
+def make_sampler(c, tokenizer, corpus=None):
+    """The sampler a training config ``c`` asks for: :class:`BatchSampler` over
+    ``c.data.source`` (``c.data.format="text"``) or :class:`ExampleSampler` over its
+    prompt/response records (``"prompt_response"``); ``corpus``: :func:`load_corpus`'s result
+    (loaded here when not given)."""
+    d = c.data
+    corpus = load_corpus(c, tokenizer) if corpus is None else corpus
+    if d.format == "prompt_response":
+        return ExampleSampler(*corpus, c.batch_size, c.seed, d.eval_fraction)
+    return BatchSampler(corpus, c.seq_len, c.batch_size, c.seed, d.eval_fraction)

@@ -44,6 +44,7 @@ from coat_jax.training.run import Run
 __all__ = [
     "MARGIN",
     "LargestBatch",
+    "analysis_total",
     "batch_on_curve",
     "compiled_total",
     "device_limit",
@@ -108,7 +109,7 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
         "compiled_aliased": int(analysis.alias_size_in_bytes),
         "compiled_temp": int(analysis.temp_size_in_bytes),
     }
-    plan["compiled_total"] = _total(analysis)
+    plan["compiled_total"] = analysis_total(analysis)
     # Working set of one layer's backward, fp32: the attention scores, probabilities and their
     # gradient where attention is not a fused flash kernel, and the MLP's gate/up/hidden.
     plan["workspace_estimate"] = layer_workspace(run.model, -(-micro // split), tokens - 1)
@@ -136,7 +137,7 @@ def _compiled(run: Run, batch_size: int | None):
     return _lowered(run, batch_size).compile()
 
 
-def _total(analysis) -> int:
+def analysis_total(analysis) -> int:
     """Bytes a compiled step holds at its peak: arguments, outputs not aliased to arguments,
     temporaries (XLA's memory analysis, per device)."""
     return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
@@ -145,7 +146,7 @@ def _total(analysis) -> int:
 
 def compiled_total(run: Run, batch_size: int) -> int:
     """:func:`memory_plan`'s ``compiled_total`` alone (one compile, no analytic model)."""
-    return _total(_compiled(run, batch_size).memory_analysis())
+    return analysis_total(_compiled(run, batch_size).memory_analysis())
 
 
 def device_limit(run: Run) -> int | None:

@@ -19,7 +19,13 @@ from coat_jax.training import parallel
 from coat_jax.training.data import ExampleSampler
 from coat_jax.training.optimizer import global_norm_fp32
 
-__all__ = ["global_batch", "make_eval_step", "make_train_step"]
+__all__ = [
+    "NonFiniteSteps",
+    "NonFiniteStepsError",
+    "global_batch",
+    "make_eval_step",
+    "make_train_step",
+]
 
 
 def _batch_loss(graph, params, batch):
@@ -42,9 +48,10 @@ def global_batch(sampler, index: int, split: str, shape, target):
 
 def make_train_step(
     graph, optimizer, placement=None, fused_update=None, compiler_options=None,
-    grad_dtype=jnp.float32,
+    grad_dtype=jnp.float32, skip_nonfinite=True,
 ):  # fmt: skip
-    """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm})``, jitted with
+    """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm, skipped})``,
+    jitted with
     params and optimizer state donated; with a :class:`~coat_jax.training.parallel.Placement`,
     its inputs and outputs stay in their shards (call it under ``jax.set_mesh(placement.mesh)``).
     ``optimizer`` is an optax transformation; ``fused_update`` (from
@@ -60,6 +67,11 @@ def make_train_step(
     upcast to fp32 (its own arithmetic follows the gradient's dtype), and with ``grad_accum``
     above 1 the micro-batch gradients are summed in fp32, so the saving needs both the fused
     update and one micro-batch per step. The gradient norm is always taken in fp32.
+
+    ``skip_nonfinite``: a step whose loss or gradient norm is NaN or Inf returns ``params`` and
+    ``opt_state`` unchanged (the update runs under ``lax.cond``; no step count advances) and
+    ``skipped = True``, so no non-finite value ever reaches the state (``optax.apply_if_finite``
+    for the whole step, at the cost of two scalar tests).
     """
     if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"grad_dtype must be float32 or bfloat16, got {jnp.dtype(grad_dtype)}")
@@ -83,13 +95,22 @@ def make_train_step(
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             grads, losses = jax.lax.scan(accumulate, zeros, batch)
             grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
-        if fused_update is not None:
-            params, opt_state = fused_update(params, grads, opt_state)
+        loss, grad_norm = losses.mean(), global_norm_fp32(grads)
+
+        def update(state):
+            params, opt_state = state
+            if fused_update is not None:
+                return fused_update(params, grads, opt_state)
+            g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            updates, opt_state = optimizer.update(g32, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            params, opt_state = jax.lax.cond(finite, update, lambda s: s, (params, opt_state))
         else:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": losses.mean(), "grad_norm": global_norm_fp32(grads)}
+            params, opt_state = update((params, opt_state))
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite}
 
     if placement is None:
         return jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options)
@@ -114,3 +135,44 @@ def make_eval_step(graph, placement=None):
         in_shardings=(placement.params, placement.eval_batch),
         out_shardings=placement.replicated,
     )
+
+
+class NonFiniteStepsError(FloatingPointError):
+    """More steps in a row had a non-finite loss or gradient norm than the run allows."""
+
+
+class NonFiniteSteps:
+    """Counts the steps :func:`make_train_step` skipped (its ``skipped`` metric), and stops
+    the run when more than ``allowed`` come in a row.
+
+    Args:
+      allowed: consecutive skipped steps tolerated (``config.skip_nonfinite``; 0: none).
+      log: where each skipped step is reported, one line each.
+    """
+
+    def __init__(self, allowed: int, log=print):
+        self.allowed, self.log = allowed, log
+        self.total = self.in_a_row = 0
+
+    def check(self, step: int, metrics) -> None:
+        """Reads step ``step``'s metrics (waits for that step only).
+
+        Raises:
+          NonFiniteStepsError: the ``allowed + 1``-th non-finite step in a row.
+        """
+        if not bool(metrics["skipped"]):
+            self.in_a_row = 0
+            return
+        self.total += 1
+        self.in_a_row += 1
+        loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        self.log(f"step {step}: loss {loss:.4g}, gradient norm {norm:.4g}: not finite; "
+                 "skipped (parameters and optimizer state unchanged)")  # fmt: skip
+        if self.in_a_row > self.allowed:
+            raise NonFiniteStepsError(
+                f"{self.in_a_row} steps in a row up to step {step} had a non-finite loss or "
+                f"gradient norm (config.skip_nonfinite={self.allowed}); stopping. No state was "
+                "updated from them, every checkpoint is finite; the newest may still diverge: "
+                "roll back with --config.resume=True --config.resume_step=<an earlier step>, "
+                "with a lower config.optimizer.lr or checked data"
+            )

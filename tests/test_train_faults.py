@@ -1,0 +1,351 @@
+"""What train.py does when a run meets trouble: non-finite steps, SIGTERM / SIGINT, damaged and
+non-finite checkpoints, bad data, misspelt keys, resumes with a changed config, earlier runs'
+files. Each test drives a real train.py subprocess (or the library piece it relies on) and
+checks the behaviour, not only that no exception escaped."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from coat_jax.training import configs, data
+from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError
+from coat_jax.training.run import assemble
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/llama_tiny.py")]
+QUIET = ["--config.progress=False"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One compilation cache for the module's runs (most compile the same program)."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def command(workdir, *overrides, cache=None):
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, *QUIET, f"--config.workdir={workdir}"]
+    if cache:
+        cmd.append(f"--config.compile_cache_dir={cache}")
+    return cmd + list(overrides)
+
+
+def environment():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    env.update(PYTHONPATH=str(ROOT), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env
+
+
+def train(workdir, *overrides, cache=None, cwd=ROOT, cmd=None):
+    cmd = cmd or command(workdir, *overrides, cache=cache)
+    return subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def metrics(workdir, name="metrics.jsonl"):
+    with open(os.path.join(workdir, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_leaves(workdir, step, item="params"):
+    path = os.path.join(workdir, "checkpoints", str(step), item)
+    return [np.asarray(x) for x in jax.tree.leaves(ocp.PyTreeCheckpointer().restore(path))]
+
+
+def finite(leaves):
+    return all(np.isfinite(x.astype(np.float32)).all() for x in leaves if x.dtype.kind in "fV")
+
+
+# --- non-finite steps ---
+
+
+def tiny_run(**overrides):
+    config = configs.load_file(str(ROOT / "configs/llama_tiny.py"), overrides)
+    config.batch_size, config.seq_len = 4, 32
+    return assemble(config)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels):
+    """The train step with one NaN weight: loss NaN, skipped, params and optimizer state (FP8
+    codes, scales, count) returned bit-identical; the next finite step updates as usual."""
+    run = tiny_run(**{"optimizer.kernels": kernels})
+    assert run.fused_update == (kernels == "interpret")
+    params, opt_state = run.create()
+    tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, 256)
+    poison = lambda path, x: x.at[0, 0].set(jnp.nan) if "wq" in jax.tree_util.keystr(path) else x
+    poisoned = jax.tree_util.tree_map_with_path(poison, params)  # every token reads wq
+    raw = lambda tree: [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+    before = raw((poisoned, opt_state))
+    new_params, new_state, m = run.train_step(poisoned, opt_state, tokens)
+    assert bool(m["skipped"]) and not np.isfinite(float(m["loss"]))
+    for a, b in zip(before, raw((new_params, new_state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    params, opt_state = run.create()
+    new_params, _, m = run.train_step(params, opt_state, tokens)
+    assert not bool(m["skipped"]) and np.isfinite(float(m["loss"]))
+    assert finite([np.asarray(x) for x in jax.tree.leaves(new_params)])
+
+
+@pytest.mark.slow
+def test_divergence_is_skipped_then_stops_and_no_checkpoint_holds_nan(tmp_path, cache):
+    """lr=1e3 with checkpoints between log steps (the issue's trial): the non-finite steps are
+    skipped, named one a line, the run stops after config.skip_nonfinite in a row with one
+    line, every checkpoint is finite, and a resume with a sane lr trains on."""
+    args = ["--config.steps=60", "--config.log_interval=20", "--config.checkpoint_interval=5"]
+    out = train(tmp_path, *args, "--config.optimizer.lr=1e3", "--config.skip_nonfinite=3",
+                cache=cache)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    skipped = [line for line in out.stdout.splitlines() if "not finite; skipped" in line]
+    assert len(skipped) == 4
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: 4 steps in a row up to step")
+    assert "Traceback" not in out.stderr
+    steps = Checkpointer(str(tmp_path / "checkpoints")).all_steps()
+    assert steps
+    for step in steps:
+        saved = checkpoint_leaves(tmp_path, step) + checkpoint_leaves(tmp_path, step, "opt_state")
+        assert finite(saved)
+    # The newest checkpoint is finite but diverges again; roll back to the first one.
+    out = train(tmp_path, *args, "--config.resume=True", "--config.resume_step=5", cache=cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "optimizer.lr: 1000.0 -> 0.003" in out.stdout and "Resumed from step 5" in out.stdout
+    for step in steps[1:]:
+        assert f"Checkpoint {step} set aside (newer than config.resume_step=5)" in out.stdout
+        assert (tmp_path / "checkpoints_superseded" / str(step)).is_dir()
+    assert "not finite; skipped" not in out.stdout
+    assert all(np.isfinite(r["train_loss"]) for r in metrics(tmp_path) if r["step"] > 5)
+
+
+def test_checkpointer_refuses_nan_and_resume_walks_past_it(tmp_path):
+    """save() raises on a non-finite state and writes nothing; a NaN checkpoint written by an
+    older version is skipped on restore, moved aside, and the one before it restored."""
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5, async_save=False)
+    params = {"w": jnp.arange(8.0)}
+    state = {"m": jnp.ones(8, jnp.float8_e4m3fn)}
+    ckpt.save(1, params, state, {"seed": 0})
+    with pytest.raises(NonFiniteStateError, match="step 2: .* NaN or Inf; not saved"):
+        ckpt.save(2, params, {"m": jnp.full(8, jnp.nan, jnp.float8_e4m3fn)}, {"seed": 0})
+    assert ckpt.all_steps() == [1]
+    args = ocp.args.Composite(params=ocp.args.StandardSave({"w": jnp.full(8, jnp.inf)}),
+                              opt_state=ocp.args.StandardSave(state),
+                              meta=ocp.args.JsonSave({"step": 3, "seed": 0}))  # fmt: skip
+    ckpt._manager.save(3, args=args)  # as a version without the check wrote it
+    ckpt._manager.wait_until_finished()
+    lines = []
+    restored = ckpt.restore_newest(params, state, log=lines.append)
+    assert restored.step == 1 and [s for s, *_ in restored.skipped] == [3]
+    assert lines == [f"Checkpoint 3 skipped (holds NaN or Inf); moved to {tmp_path}/"
+                     "checkpoints_damaged/3"]  # fmt: skip
+    assert (tmp_path / "checkpoints_damaged" / "3" / "params").is_dir()
+    assert ckpt.all_steps() == [1]
+    np.testing.assert_array_equal(restored.params["w"], params["w"])
+
+
+# --- damaged checkpoints ---
+
+
+def largest_file(folder):
+    files = [p for p in pathlib.Path(folder).rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.slow
+def test_resume_walks_back_past_damaged_checkpoints_and_stays_bit_identical(tmp_path, cache):
+    """Checkpoints damaged four ways (a stray empty step folder, a truncated data file,
+    a garbage-filled one, a missing item): resume says one line for each, moves each aside,
+    restores the newest intact one, and ends bit-identical to an uninterrupted run."""
+    args = ["--config.steps=30", "--config.log_interval=5", "--config.checkpoint_interval=5",
+            "--config.keep_checkpoints=10"]  # fmt: skip
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, *args, cache=cache).returncode == 0
+    shutil.copytree(ref, run)
+    checkpoints = run / "checkpoints"
+    for step in (25, 30):  # the run was interrupted after checkpoint 20
+        shutil.rmtree(checkpoints / str(step))
+    (checkpoints / "22").mkdir()  # a stray empty step folder
+    with open(largest_file(checkpoints / "20" / "params"), "r+b") as f:
+        f.truncate(100)
+    target = largest_file(checkpoints / "15" / "opt_state")
+    target.write_bytes(np.random.default_rng(0).bytes(target.stat().st_size))
+    shutil.rmtree(checkpoints / "10" / "opt_state")
+    out = train(run, *args, "--config.resume=True", cache=cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    skips = [line for line in out.stdout.splitlines() if line.startswith("Checkpoint ")]
+    assert [line.split()[1] for line in skips] == ["22", "20", "15", "10"], skips
+    assert "Resumed from step 5" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr and len(out.stderr.splitlines()) < 5
+    assert sorted(p.name for p in (run / "checkpoints_damaged").iterdir()) == [
+        "10", "15", "20", "22"]  # fmt: skip
+    for a, b in zip(checkpoint_leaves(ref, 30), checkpoint_leaves(run, 30), strict=True):
+        np.testing.assert_array_equal(a, b)
+    losses = lambda d: [(r["step"], r["train_loss"]) for r in metrics(d)]
+    assert losses(ref) == losses(run)
+
+
+# --- signals ---
+
+
+def start(workdir, *overrides, cache=None, env_extra=None):
+    env = dict(environment(), **(env_extra or {}))
+    cmd = command(workdir, *overrides, cache=cache)
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, **pipe)
+
+
+def wait_for(proc, text):
+    """Lines of ``proc``'s output up to and including the first one containing ``text``."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} never printed:\n{''.join(lines)}")
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_and_exits_zero_and_resume_is_bit_identical(tmp_path, cache):
+    args = ["--config.steps=400", "--config.log_interval=100", "--config.checkpoint_interval=400"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, *args, cache=cache).returncode == 0
+    proc = start(run, *args, cache=cache)
+    wait_for(proc, "First step")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    assert "SIGTERM received: stopping after this step" in out
+    stopped = [line for line in out.splitlines() if line.startswith("Stopped by SIGTERM")]
+    assert stopped, out
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert 0 < step < 400 and Checkpointer(str(run / "checkpoints")).all_steps() == [step]
+    out = train(run, *args, "--config.resume=True", cache=cache)
+    assert out.returncode == 0 and f"Resumed from step {step}" in out.stdout, out.stderr
+    for a, b in zip(checkpoint_leaves(ref, 400), checkpoint_leaves(run, 400), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_with_a_checkpoint_too(tmp_path, cache):
+    proc = start(tmp_path, "--config.steps=2000", "--config.checkpoint_interval=0", cache=cache)
+    wait_for(proc, "First step")
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "Stopped by SIGINT at step" in out, out
+    assert len(Checkpointer(str(tmp_path / "checkpoints")).all_steps()) == 1
+
+
+def test_a_second_signal_exits_at_once():
+    script = (
+        "import os, signal, time\n"
+        "from coat_jax.training.preemption import StopRequest\n"
+        "with StopRequest() as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert stop.should_stop() and stop.signal_name == 'SIGTERM'\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "print('not reached')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == -signal.SIGTERM, out.stdout + out.stderr
+    assert "SIGTERM received" in out.stdout and "not reached" not in out.stdout
+
+
+# --- input errors, named in one line before compiling ---
+
+
+def assert_one_line_error(out, text):
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    assert text in out.stderr, out.stdout + out.stderr
+    assert "First step" not in out.stdout  # nothing compiled or trained
+
+
+def test_token_ids_outside_the_vocabulary_are_named_when_loaded(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    tokens[700] = 300
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    out = train(tmp_path / "run", f"--config.data.source={path}")
+    assert_one_line_error(out, f"{path}: token id 300 at position 700 is outside the model's "
+                               "vocabulary [0, 256)")  # fmt: skip
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"\n')
+    out = train(tmp_path / "run", f"--config.data.source={path}")
+    assert_one_line_error(out, f"{path}:3: not valid JSON")
+    with pytest.raises(ValueError, match=r"data.jsonl:1: expected a JSON object, got list"):
+        path.write_text("[1, 2]\n")
+        data.load_tokens(str(path))
+
+
+def test_command_line_mistakes_are_one_line(tmp_path):
+    out = train(tmp_path, "--config.num_steps=5")
+    assert_one_line_error(out, "--config.num_steps: no such config key (did you mean "
+                               "--config.steps?)")  # fmt: skip
+    assert len(out.stderr.strip().splitlines()) == 1
+    out = train(tmp_path, "--config.optimizer.lrr=1")
+    assert_one_line_error(out, "--config.optimizer.lrr: no such config key (did you mean "
+                               "--config.optimizer.lr?)")  # fmt: skip
+    out = train(tmp_path, cmd=[sys.executable, str(ROOT / "train.py"), "--config", "nope.py"])
+    assert_one_line_error(out, "--config nope.py: no such file")
+    # From another folder without --config: the default config is found beside train.py.
+    out = train(tmp_path, cwd=tmp_path, cmd=[sys.executable, str(ROOT / "train.py"),
+                                             "--config.steps=0"])  # fmt: skip
+    assert_one_line_error(out, "config.steps must be a positive int")
+    out = train(tmp_path, cmd=[sys.executable, str(ROOT / "train.py"), "--help"])
+    assert out.returncode == 0
+    for key in ("--config.optimizer.lr=0.003", "--config.skip_nonfinite=10",
+                "--config.data.source='stdlib'", "--config.batch_size=16"):  # fmt: skip
+        assert key in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_resume_lists_changed_keys_and_refuses_shape_changes(tmp_path, cache):
+    """A checkpointed run resumed with another model shape is refused in one line; with a
+    changed batch size and precision it resumes, listing them; a window holding only the
+    compiling step reports no throughput."""
+    base = ["--config.steps=4", "--config.log_interval=1", "--config.checkpoint_interval=2",
+            "--config.optimizer.warmup_steps=1"]  # fmt: skip
+    out = train(tmp_path, *base, cache=cache)
+    assert out.returncode == 0, out.stderr
+    records = metrics(tmp_path)
+    assert "tokens_per_s" not in records[0] and records[1]["tokens_per_s"] > 0
+    out = train(tmp_path, *base, "--config.resume=True", "--config.model.dim=32")
+    assert_one_line_error(out, "cannot resume")
+    assert "model.dim: 64 -> 32" in out.stderr
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4]  # nothing moved
+    out = train(tmp_path, *base[1:], "--config.steps=6", "--config.resume=True",
+                "--config.batch_size=4", "--config.precision=bf16", cache=cache)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert ("Resuming with changed config keys: batch_size: 8 -> 4; precision: 'coat' -> "
+            "'bf16'; steps: 4 -> 6") in out.stdout  # fmt: skip
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_earlier_runs_metrics_are_not_overwritten(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "train_loss": 1.0}\n')
+    out = train(tmp_path, "--config.steps=2", "--config.optimizer.warmup_steps=1")
+    assert_one_line_error(out, "holds an earlier run's metrics")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 10, "train_loss": 1.0}\n'
+
+
+@pytest.mark.slow
+def test_resume_true_without_checkpoints_keeps_the_old_metrics_aside(tmp_path, cache):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "train_loss": 1.0}\n')
+    out = train(tmp_path, "--config.steps=2", "--config.log_interval=1", "--config.resume=True",
+                "--config.optimizer.warmup_steps=1", cache=cache)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Earlier metrics kept as" in out.stdout
+    assert metrics(tmp_path, "metrics.1.jsonl") == [{"step": 10, "train_loss": 1.0}]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
