@@ -74,12 +74,15 @@ def tiny_run(**overrides):
     return assemble(config)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+@pytest.mark.parametrize(
+    "kernels", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
 def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels):
     """The train step with one NaN weight: loss NaN, skipped, params and optimizer state (FP8
-    codes, scales, count) returned bit-identical; the next finite step updates as usual."""
-    run = tiny_run(**{"optimizer.kernels": kernels})
-    assert run.fused_update == (kernels == "interpret")
+    codes, scales, count) returned bit-identical; the next finite step updates as usual. With
+    the fused update's kernel compiled (GPU), interpreted, and the XLA chain."""
+    run = tiny_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024})  # FP8 moments
+    assert run.fused_update == (kernels != "reference")
     params, opt_state = run.create()
     tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, 256)
     poison = lambda path, x: x.at[0, 0].set(jnp.nan) if "wq" in jax.tree_util.keystr(path) else x
