@@ -156,7 +156,7 @@ def resume_point(run, ckpt) -> int | None:
     refused; the others are listed). Exits with one line on a refusal."""
     config = run.config
     latest = ckpt.latest_step()
-    metrics_path = os.path.join(config.workdir, "metrics.jsonl")
+    metrics_path = metrics.MetricsWriter(config.workdir).path
     if not config.resume:
         if latest is not None:
             sys.exit(f"train.py: {ckpt.directory} already holds checkpoints (latest step "
@@ -193,12 +193,11 @@ def keep_aside(path: str) -> str:
     return f"{stem}.{n}{ext}"
 
 
-def restore(run, ckpt, latest):
+def restore(run, ckpt, latest, writer):
     """``(params, opt_state, start_step)``: fresh (``latest`` None) or the newest checkpoint
-    that restores and is finite, walking back from ``latest``; the metrics file is cut to
-    the restored step (fresh in a resumed workdir: the old one is kept aside)."""
+    that restores and is finite, walking back from ``latest``; ``writer``'s metrics file is
+    cut to the restored step (fresh in a resumed workdir: the old one is kept aside)."""
     config = run.config
-    writer_path = os.path.join(config.workdir, "metrics.jsonl")
     restored = None
     if latest is not None:
         restored = ckpt.restore_newest(*run.abstract_state(), log=log,
@@ -210,15 +209,14 @@ def restore(run, ckpt, latest):
         started = time.perf_counter()
         params, opt_state = run.create()
         log(f"Initialized in {time.perf_counter() - started:.0f} s")
-        if is_main() and os.path.exists(writer_path):  # resume=True with nothing to resume
-            log(f"Earlier metrics kept as {keep_aside(writer_path)}")
+        if is_main() and os.path.exists(writer.path):  # resume=True with nothing to resume
+            log(f"Earlier metrics kept as {keep_aside(writer.path)}")
         return params, opt_state, 0
     start = restored.meta["step"]
-    if is_main() and os.path.exists(writer_path):
-        with open(writer_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-        with open(writer_path, "w") as f:
-            f.writelines(kept)
+    if is_main():
+        kept = [r for r in writer.read() if r["step"] <= start]
+        with open(writer.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
     log(f"Resumed from step {start} ({ckpt.directory})")
     return restored.params, restored.opt_state, start
 
@@ -239,8 +237,8 @@ def train(run, ckpt, latest, sampler) -> None:
     """The training loop: from ``latest`` (a checkpoint step, or ``None``) to
     ``config.steps``, stopping early with a checkpoint on SIGTERM / SIGINT."""
     config, placement = run.config, run.placement
-    params, opt_state, start_step = restore(run, ckpt, latest)
     writer = metrics.MetricsWriter(config.workdir)
+    params, opt_state, start_step = restore(run, ckpt, latest, writer)
     if is_main():
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
@@ -255,24 +253,20 @@ def train(run, ckpt, latest, sampler) -> None:
         bar = tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     nonfinite = NonFiniteSteps(config.skip_nonfinite, log)
-    pending = None  # the previous step's metrics, read once the next step is dispatched
     done = start_step
     with StopRequest(announce=log) as stop, stops_cleanly(ckpt):
         for step in range(start_step, config.steps):
             batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
             params, opt_state, m = run.train_step(params, opt_state, batch)
-            if pending is not None:
-                nonfinite.check(*pending)
-            pending = (step + 1, m)
-            window_steps += 1
             done = step + 1
+            nonfinite.record(done, m)
+            window_steps += 1
             if step == start_step:  # keep compilation out of the throughput numbers
                 jax.block_until_ready(m)
                 log(f"First step (with compilation): {time.perf_counter() - window_start:.0f} s")
                 window_start, window_steps = time.perf_counter(), 0
             if done % config.log_interval == 0 or done == config.steps:
-                nonfinite.check(*pending)
-                pending = None
+                nonfinite.flush()
                 record = {"step": done, "train_loss": float(m["loss"]),
                           "grad_norm": float(m["grad_norm"])}  # fmt: skip
                 record["lr"] = float(run.optimizer.schedule(step))
@@ -310,14 +304,11 @@ def train(run, ckpt, latest, sampler) -> None:
             interval = config.checkpoint_interval
             stopping = stop.should_stop() and done < config.steps
             if stopping or (interval and (done % interval == 0 or done == config.steps)):
-                if pending is not None:
-                    nonfinite.check(*pending)
-                    pending = None
+                nonfinite.flush()
                 ckpt.save(done, params, opt_state, dict(meta, data_position=done))
             if stopping:
                 break
-        if pending is not None:
-            nonfinite.check(*pending)
+        nonfinite.flush()
     if bar:
         bar.close()
     ckpt.wait()

@@ -170,19 +170,14 @@ class Checkpointer:
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         return self._manager.restore(step, args=args).meta
 
-    def restore_newest(self, params_like, opt_state_like, check_meta=None, log=print,
-                       at_most: int | None = None):  # fmt: skip
+    def restore_newest(self, params_like, opt_state_like, log=print, at_most: int | None = None):
         """The newest checkpoint that restores into the given trees and holds only finite
         values, as a :class:`Restored`; ``None`` when none does.
 
-        ``at_most``: roll back to this step or before it (a run that diverged); the newer
-        checkpoints are moved to :attr:`superseded_directory`, each said in one line.
-
         Each newer one that fails (orbax cannot read it, or it holds NaN / Inf) is moved to
-        :attr:`damaged_directory` and reported through ``log`` in one line. ``check_meta(meta)``
-        runs first on each candidate's JSON item and may raise ``ValueError`` to stop the
-        walk (a run that cannot resume from this folder at all, e.g. a changed model shape):
-        that error propagates, nothing is moved.
+        :attr:`damaged_directory` and reported through ``log`` in one line. ``at_most``: roll
+        back to this step or before it (a run that diverged); the newer checkpoints are moved
+        to :attr:`superseded_directory`, each said in one line.
         """
         skipped = []
         for step in sorted(self.all_steps(), reverse=True):
@@ -192,21 +187,14 @@ class Checkpointer:
                     f"moved to {moved}")  # fmt: skip
                 continue
             try:
-                meta = self.read_meta(step)
+                params, opt_state, meta = self.restore(step, params_like, opt_state_like)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
+                _quiet_failed_reads()
                 reason = _first_line(e)
             else:
-                if check_meta is not None:
-                    check_meta(meta)
-                try:
-                    params, opt_state, meta = self.restore(step, params_like, opt_state_like)
-                except Exception as e:  # noqa: BLE001
-                    _quiet_failed_reads()
-                    reason = _first_line(e)
-                else:
-                    if all_finite(params, opt_state):
-                        return Restored(step, params, opt_state, meta, tuple(skipped))
-                    reason = "holds NaN or Inf"
+                if all_finite(params, opt_state):
+                    return Restored(step, params, opt_state, meta, tuple(skipped))
+                reason = "holds NaN or Inf"
             moved = self._move_aside(step, self.damaged_directory)
             log(f"Checkpoint {step} skipped ({reason}); moved to {moved}")
             skipped.append((step, reason, moved))

@@ -145,6 +145,10 @@ class NonFiniteSteps:
     """Counts the steps :func:`make_train_step` skipped (its ``skipped`` metric), and stops
     the run when more than ``allowed`` come in a row.
 
+    Each step's metrics are read one step late (:meth:`record`), so the host never waits for
+    the step it has just dispatched; :meth:`flush` reads the one still held (before a log line
+    or a checkpoint, and at the end).
+
     Args:
       allowed: consecutive skipped steps tolerated (``config.skip_nonfinite``; 0: none).
       log: where each skipped step is reported, one line each.
@@ -153,13 +157,22 @@ class NonFiniteSteps:
     def __init__(self, allowed: int, log=print):
         self.allowed, self.log = allowed, log
         self.total = self.in_a_row = 0
+        self._held = None  # (step, metrics) of the last step recorded and not yet read
 
-    def check(self, step: int, metrics) -> None:
-        """Reads step ``step``'s metrics (waits for that step only).
+    def record(self, step: int, metrics) -> None:
+        """Reads the step recorded before (waits for it only), then holds step ``step``'s."""
+        self.flush()
+        self._held = (step, metrics)
+
+    def flush(self) -> None:
+        """Reads the held step's metrics, if any.
 
         Raises:
           NonFiniteStepsError: the ``allowed + 1``-th non-finite step in a row.
         """
+        if self._held is None:
+            return
+        (step, metrics), self._held = self._held, None
         if not bool(metrics["skipped"]):
             self.in_a_row = 0
             return
