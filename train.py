@@ -31,7 +31,7 @@ from ml_collections import config_flags
 
 from coat_jax.core import measure
 from coat_jax.training import allocator, configs, data, finetune, metrics, parallel, planner
-from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError
+from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, StateLayoutError
 from coat_jax.training.preemption import StopRequest
 from coat_jax.training.run import assemble
 from coat_jax.training.step import NonFiniteSteps, NonFiniteStepsError, global_batch
@@ -200,8 +200,11 @@ def restore(run, ckpt, latest, writer):
     config = run.config
     restored = None
     if latest is not None:
-        restored = ckpt.restore_newest(*run.abstract_state(), log=log,
-                                       at_most=config.resume_step or None)  # fmt: skip
+        try:
+            restored = ckpt.restore_newest(*run.abstract_state(), log=log,
+                                           at_most=config.resume_step or None)  # fmt: skip
+        except StateLayoutError as e:
+            sys.exit(f"train.py: {e}")
         if restored is None:
             sys.exit(f"train.py: no checkpoint in {ckpt.directory} restores; each was moved to "
                      f"{ckpt.damaged_directory}. Run again to start this workdir anew")  # fmt: skip

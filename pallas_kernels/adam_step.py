@@ -128,8 +128,8 @@ def moment_update(grad, m_state, v_state, coeffs: AdamCoefficients, *, mu_fmt, n
     ``amax`` / ``k``; ``coeffs`` the step's :class:`~coat_jax.core.adam.AdamCoefficients`.
     """
     m = decode(*m_state, mu_fmt, log=log)
-    v = decode(*v_state, nu_fmt, log=log)
-    m, v = adam.update_moments(grad, m, v, coeffs)
+    v = adam.loaded_second_moment(decode(*v_state, nu_fmt, log=log))
+    m, v = adam.update_moments(grad, m, v, coeffs, g_m=adam.first_moment_gradient(grad))
     u = adam.direction(m, v, coeffs)
     return u, encode(m, mu_fmt, expanded, log=log), encode(v, nu_fmt, expanded, log=log)
 

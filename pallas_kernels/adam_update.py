@@ -35,7 +35,6 @@ from jax.experimental import pallas as pl
 
 from coat_jax.core import adam
 from coat_jax.core.adam import AdamCoefficients
-from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from pallas_kernels import adam_step, dispatch
 from pallas_kernels.adam_step import AdamStepTuning
 
@@ -77,18 +76,10 @@ def leaf_reference(p, g, mu, nu, hyper, decay: bool):
     :func:`update_vector`'s. Returns ``(new_p, new_mu, new_nu)``.
     """
     coeffs, neg_lr, wd, clip = _read_vector(hyper)
-    g32 = g.astype(jnp.float32) * clip
-    dec = lambda s: dequantize(s) if isinstance(s, QuantizedArray) else s
-
-    def enc(x, like):
-        if not isinstance(like, QuantizedArray):
-            return x
-        return quantize(x, like.fmt, group_size=like.data.shape[-1], expand=like.expanded)
-
-    m, v = adam.update_moments(g32, dec(mu), dec(nu), coeffs)
-    u = adam.direction(m, v, coeffs).astype(g.dtype).astype(jnp.float32)
+    u, new_mu, new_nu = adam.stored_step(g.astype(jnp.float32) * clip, mu, nu, coeffs)
+    u = u.astype(g.dtype).astype(jnp.float32)
     new_p = _step(p, u, neg_lr, wd, decay, g.dtype)
-    return new_p.astype(p.dtype), enc(m, mu), enc(v, nu)
+    return new_p.astype(p.dtype), new_mu, new_nu
 
 
 def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING) -> bool:

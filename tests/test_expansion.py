@@ -114,12 +114,14 @@ def test_huge_range_group_keeps_every_value_nonzero(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_nan_propagates_to_its_group_only(fmt):
-    x = np.ones((2, 64), np.float32)
-    x[0, 3] = np.nan
-    _, y = roundtrip(x, fmt)
-    assert np.isnan(y[0]).any()
-    np.testing.assert_array_equal(y[1], 1.0)
+def test_non_finite_values_stay_in_their_element(fmt):
+    x = np.ones((3, 64), np.float32)
+    x[0, 3], x[1, 9], x[1, 10] = np.nan, np.inf, -np.inf
+    x[2] = np.nan
+    q, y = roundtrip(x, fmt)
+    np.testing.assert_array_equal(np.isnan(y), ~np.isfinite(x))  # stored as NaN codes
+    np.testing.assert_array_equal(y[np.isfinite(x)], 1.0)  # neighbours keep their precision
+    assert np.all(np.isfinite(np.asarray(q.amax)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

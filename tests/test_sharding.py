@@ -39,11 +39,14 @@ SCRIPT = textwrap.dedent(
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
         for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state_ref), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-        codes = jax.tree.leaves(new_state[0].mu["blocks"][0]["mlp"]["w_gate"])[0]
+        codes = new_state[0].mu["blocks"][0]["mlp"]["w_gate"]
+        amax = new_state[0].mu_amax["blocks"][0]["mlp"]["w_gate"]
         assert codes.dtype == jnp.float8_e4m3fn
-        # w_gate (256, 512) is ("embed", "mlp") -> codes (256, 4, 128) on ("fsdp", "tensor")
+        # w_gate (256, 512) is ("embed", "mlp"): codes (256, 512) shard like it on
+        # ("fsdp", "tensor"), its 4 groups per row too
         local = codes.addressable_shards[0].data.shape
-        assert local == (256 // shape[1], 4 // shape[2], 128), (shape, local)
+        assert local == (256 // shape[1], 512 // shape[2]), (shape, local)
+        assert amax.addressable_shards[0].data.shape == (256 // shape[1], 4 // shape[2])
 
     # Groups aligned with the shards (Llama-like: last axes are multiples of 128 x mesh size):
     # the compiled update moves no FP8 state between devices.
@@ -182,7 +185,8 @@ def test_specs_follow_the_parameter():
     w = w.get_value() if hasattr(w, "get_value") else w
     mu = state_specs[0].mu["blocks"][0]["mlp"]["w_gate"]
     assert tuple(w) == ("fsdp", "tensor")
-    assert tuple(mu.data) == ("fsdp", "tensor", None) and tuple(mu.amax) == ("fsdp", "tensor")
+    mu_amax = state_specs[0].mu_amax["blocks"][0]["mlp"]["w_gate"]
+    assert tuple(mu) == ("fsdp", "tensor") and tuple(mu_amax) == ("fsdp", "tensor")
     assert tuple(state_specs[0].count) == ()
     assert jax.tree.structure(state_specs) is not None
 

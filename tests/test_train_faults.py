@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from coat_jax.training import configs, data
-from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError
+from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, StateLayoutError
 from coat_jax.training.run import assemble
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -151,6 +151,28 @@ def test_checkpointer_refuses_nan_and_resume_walks_past_it(tmp_path):
     assert (tmp_path / "checkpoints_damaged" / "3" / "params").is_dir()
     assert ckpt.all_steps() == [1]
     np.testing.assert_array_equal(restored.params["w"], params["w"])
+
+
+def test_an_older_fp8_state_layout_is_refused_in_one_line_and_left_in_place(tmp_path):
+    """A checkpoint written before layout 2 (no ``opt_state_layout`` in its meta) is not
+    passed over as damaged: restore_newest raises naming both layouts and moves nothing."""
+    import coat_jax
+
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5, async_save=False)
+    params = {"w": jnp.ones((4, 256))}
+    state = coat_jax.fp8_adamw(1e-3, min_size=0).init(params)
+    ckpt.save(1, params, state, {"seed": 0})
+    assert ckpt.restore_newest(params, state).step == 1  # this layout reads back
+    args = ocp.args.Composite(params=ocp.args.StandardSave(params),
+                              opt_state=ocp.args.StandardSave(state),
+                              meta=ocp.args.JsonSave({"step": 2, "seed": 0}))  # fmt: skip
+    ckpt._manager.save(2, args=args)  # as coat-jax before layout 2 wrote its meta
+    ckpt._manager.wait_until_finished()
+    with pytest.raises(StateLayoutError, match=r"checkpoints/2 holds fp8_adamw state layout 1 "
+                       r"\(coat-jax before 2026-12-01.*reads layout 2") as e:  # fmt: skip
+        ckpt.restore_newest(params, state)
+    assert "\n" not in str(e.value)
+    assert ckpt.all_steps() == [1, 2] and not (tmp_path / "checkpoints_damaged").exists()
 
 
 # --- damaged checkpoints ---

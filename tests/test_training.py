@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import coat_jax
-from coat_jax.core.quant import QuantizedArray
 from coat_jax.tools.quant_error import train_llama
 
 
@@ -70,10 +69,9 @@ def test_tiny_llama_matches_adamw():
     losses = {name: run[0] for name, run in runs.items()}
     for name in ("fp8", "fp8_no_expansion"):  # every parameter's moments really are FP8
         params, state = runs[name][1], runs[name][2][0]
-        moments = jax.tree.leaves(state.mu, is_leaf=lambda x: isinstance(x, QuantizedArray))
+        moments = jax.tree.leaves(state.mu)
         assert len(moments) == len(jax.tree.leaves(params))
-        assert all(isinstance(m, QuantizedArray) for m in moments)
-        assert all(m.data.dtype == jnp.float8_e4m3fn for m in moments)
+        assert all(m.dtype == jnp.float8_e4m3fn for m in moments)
     final = {name: float(curve[-30:].mean()) for name, curve in losses.items()}
     print("tiny Llama final loss:", final)
     # It really learns: from ~6 nats at init to below the corpus's byte entropy (3.1 nats).

@@ -71,15 +71,17 @@ _K_COMPRESS = 0.25
 
 
 def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
-    """Returns ``(max |x|, min of the nonzero |x|)`` along ``axis``, in fp32.
+    """Returns ``(max |x|, min of the nonzero |x|)`` over the finite elements along ``axis``.
 
-    The minimum is 0 where the group has no nonzero element. NaN propagates into the maximum.
+    fp32. NaN and +-Inf elements are left out (an element that is not finite is stored as the
+    format's NaN code by :func:`coat_jax.core.quant.encode`, so it does not cost its group's
+    precision); both are 0 where the group has no finite nonzero element.
     """
     a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.where(a < jnp.inf, a, 0.0)  # comparisons only: kernel-friendly isfinite
     amax = jnp.max(a, axis=axis)
     amin = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=axis)
-    amin = jnp.where((amin == jnp.inf) & (amax != jnp.inf), 0.0, amin)  # kernel-friendly isinf
-    return amax, amin
+    return amax, jnp.where(amin < jnp.inf, amin, 0.0)
 
 
 def expansion_exponent(amax: jax.Array, amin: jax.Array, fmt: Fp8Format) -> jax.Array:

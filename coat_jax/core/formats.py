@@ -97,5 +97,9 @@ def get_format(spec: str | Fp8Format | jnp.dtype) -> Fp8Format:
 
 
 def saturating_cast(scaled: jax.Array, fmt: Fp8Format) -> jax.Array:
-    """Clips to ``[-fmt.max, fmt.max]`` and casts (round to nearest even); NaN stays NaN."""
+    """Clips to ``[-fmt.max, fmt.max]`` and casts (round to nearest even).
+
+    NaN stays NaN under XLA; Triton lowers the clip to fmin / fmax, which drop NaN, so a
+    kernel that must keep NaN marks it after the clip (:func:`coat_jax.core.quant.encode`).
+    """
     return jnp.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)

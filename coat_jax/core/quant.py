@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coat_jax.core import expansion
-from coat_jax.core.formats import Fp8Format, get_format, saturating_cast
+from coat_jax.core.formats import Fp8Format, get_format
 
 __all__ = [
     "QuantizedArray",
@@ -41,7 +41,9 @@ __all__ = [
     "dequantize",
     "encode",
     "from_groups",
+    "from_param_layout",
     "group_layout",
+    "param_layout",
     "quantize",
     "to_groups",
 ]
@@ -203,19 +205,28 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 
     With ``per_group`` the groups run along the last axis, else the whole array is one group.
-    Returns ``(codes, amax, k code or None)``. The Pallas kernels call this on their tiles, so
-    kernel and reference cannot drift apart (``log``: the natural logarithm the expansion uses).
+    Returns ``(codes, amax, k code or None)``. A NaN or +-Inf element is stored as the format's
+    NaN code and left out of its group's statistics: it stays non-finite, its neighbours keep
+    their precision. The Pallas kernels call this on their tiles, so kernel and reference cannot
+    drift apart (``log``: the natural logarithm the expansion uses).
     """
     axes = -1 if per_group else tuple(range(x.ndim))
     bcast = (..., None) if per_group else ()
     x = x.astype(jnp.float32)
+
+    def cast(scaled):
+        # x - x is 0, or NaN where x is not finite: added after the clip (Triton's clip drops
+        # NaN), it marks non-finite elements without a mask (a select that XLA's GPU fusion
+        # materialised as an extra array, 30% slower)
+        return (jnp.clip(scaled, -fmt.max, fmt.max) + (x - x)).astype(fmt.dtype)
+
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
         k = expansion.expansion_exponent(amax, amin, fmt)
         scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt, log=log)
-        return saturating_cast(scaled, fmt), amax, expansion.encode_k(k)
+        return cast(scaled), amax, expansion.encode_k(k)
     if amax is None:
-        amax = jnp.max(jnp.abs(x), axis=axes)
+        amax = jnp.max(jnp.where(jnp.abs(x) < jnp.inf, jnp.abs(x), 0.0), axis=axes)
     amax = jnp.asarray(amax, jnp.float32)
     # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
     # into a product with its reciprocal, which flushes to zero for amax > 2^126. Below
@@ -224,7 +235,7 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     safe = jnp.where(amax > 0, amax, 1.0)
     pre = jnp.where(safe < TINY_AMAX, np.float32(2.0**64), np.float32(1.0))
     factor = fmt.max / (safe * pre)
-    return saturating_cast((x * pre[bcast]) * factor[bcast], fmt), amax, None
+    return cast((x * pre[bcast]) * factor[bcast]), amax, None
 
 
 def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.log):
@@ -248,3 +259,31 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     if q.per_group:
         x = from_groups(x, q.last_dim)
     return x.astype(dtype)
+
+
+def param_layout(q: QuantizedArray) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(codes, amax, k)`` of a per-group array with the codes in the array's own shape.
+
+    The optimizer states keep this layout: codes shaped like their parameter (so any
+    ``PartitionSpec`` of the parameter applies to them), ``amax`` / ``k`` shaped
+    ``(*lead, n_groups)``. :func:`from_param_layout` inverts it.
+    """
+    if not q.per_group:
+        raise ValueError("param_layout needs a per-group QuantizedArray")
+    return from_groups(q.data, q.last_dim), q.amax, q.k
+
+
+def from_param_layout(codes: jax.Array, amax: jax.Array, k: jax.Array | None) -> QuantizedArray:
+    """The :class:`QuantizedArray` of codes in their array's shape and per-group ``amax`` /
+    ``k`` of shape ``(*lead, n_groups)``; the group size follows from the two shapes."""
+    last_dim, n_groups = codes.shape[-1], amax.shape[-1]
+    size = -(-last_dim // n_groups) if n_groups else 1
+    if codes.shape[:-1] != amax.shape[:-1] or n_groups * size - last_dim >= max(size, 1):
+        raise ValueError(
+            f"codes of shape {codes.shape} do not split into the {n_groups} groups of amax "
+            f"{amax.shape}"
+        )
+    pad = n_groups * size - last_dim
+    if pad:
+        codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
+    return QuantizedArray(codes.reshape(*codes.shape[:-1], n_groups, size), amax, k, last_dim)

@@ -27,9 +27,8 @@ from __future__ import annotations
 import jax
 import optax
 
-from coat_jax.core import adam
+from coat_jax.core import adam, quant
 from coat_jax.core.adam import ScaleByFp8AdamState
-from coat_jax.core.quant import QuantizedArray
 from coat_jax.ops import sharding
 from pallas_kernels import adam_update, dispatch
 from pallas_kernels.adam_step import AdamStepTuning
@@ -40,38 +39,40 @@ _TUNING = AdamStepTuning()
 
 
 def _local_specs(p, mu, p_spec, mesh):
-    """``(param spec, codes spec, group spec)`` for running the kernel on each device's shard
-    of a leaf, or ``None`` when the shards do not line up with whole groups (the state's group
-    axis must split like the parameter's last axis: :func:`coat_jax.ops.sharding.optimizer_specs`
-    replicates it where it cannot)."""
+    """``(param spec, group spec)`` for running the kernel on each device's shard of a leaf,
+    or ``None`` when the shards do not line up with whole groups (the state's group axis must
+    split like the parameter's last axis: :func:`coat_jax.ops.sharding.optimizer_specs`
+    replicates it where it cannot). The FP8 codes have the parameter's shape and spec."""
     spec = (*tuple(p_spec), *(None,) * (p.ndim - len(p_spec)))
     lead, last = spec[:-1], spec[-1]
     if sharding.fits(mesh, last, mu.amax.shape[-1]) != last:  # the state's rule for its groups
         return None
     P = jax.sharding.PartitionSpec
-    return P(*spec), P(*lead, last, None), P(*lead, last)
+    return P(*spec), P(*lead, last)
 
 
 def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret):
     """The kernel on every device's shard (``jax.shard_map``): the update is elementwise within
     a group, so each device updates its own parameter rows and their FP8 groups."""
-    p_spec, codes_spec, group_spec = specs
+    p_spec, group_spec = specs
     expanded = mu.expanded
 
     def arrays(q):
-        return [q.data, q.amax, *([q.k] if expanded else [])]
+        codes, amax, k = quant.param_layout(q)
+        return [codes, amax, *([k] if expanded else [])]
+
+    def rebuild(a):
+        return quant.from_param_layout(a[0], a[1], a[2] if expanded else None)
 
     def local(p, g, hyper, *moments):
         half = len(moments) // 2
-        rebuild = lambda a: QuantizedArray(a[0], a[1], a[2] if expanded else None,
-                                           a[0].shape[-2] * a[0].shape[-1])  # fmt: skip
         new_p, new_mu, new_nu = adam_update.leaf_kernel(
             p, g, rebuild(moments[:half]), rebuild(moments[half:]), hyper, decay,
             tuning=tuning, interpret=interpret,
         )  # fmt: skip
         return new_p, *arrays(new_mu), *arrays(new_nu)
 
-    moment_specs = [codes_spec, group_spec, *([group_spec] if expanded else [])] * 2
+    moment_specs = [p_spec, group_spec, *([group_spec] if expanded else [])] * 2
     P = jax.sharding.PartitionSpec
     outs = jax.shard_map(
         local,
@@ -81,8 +82,7 @@ def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret)
         check_vma=False,
     )(p, g, hyper, *arrays(mu), *arrays(nu))
     half = (len(outs) - 1) // 2
-    glob = lambda a, like: QuantizedArray(a[0], a[1], a[2] if expanded else None, like.last_dim)
-    return outs[0], glob(outs[1 : 1 + half], mu), glob(outs[1 + half :], nu)
+    return outs[0], rebuild(outs[1 : 1 + half]), rebuild(outs[1 + half :])
 
 
 def fp8_adamw_update(
@@ -141,7 +141,7 @@ def fp8_adamw_update(
 
     flat_p, treedef = jax.tree.flatten(params)
     flat_g = treedef.flatten_up_to(grads)
-    flat_mu, flat_nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+    flat_mu, flat_nu = adam.moments(state, treedef)
     flat_specs = treedef.flatten_up_to(specs) if sharded and specs is not None else None
     flat_specs = flat_specs or [None] * len(flat_p)
     if mask is None:
@@ -164,5 +164,7 @@ def fp8_adamw_update(
                                      interpret=interpret))  # fmt: skip
         else:
             out.append(adam_update.leaf_reference(p, g, mu, nu, hyper, decay))
-    new_p, new_mu, new_nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
-    return new_p, ScaleByFp8AdamState(count=count_inc, mu=new_mu, nu=new_nu)
+    new_state = adam.from_moments(
+        state, treedef, count_inc, [o[1] for o in out], [o[2] for o in out]
+    )
+    return treedef.unflatten([o[0] for o in out]), new_state

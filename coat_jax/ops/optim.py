@@ -10,13 +10,19 @@ State bytes per quantized parameter: 1 (m) + 1 (v) + per group of up to ``group_
 4 bytes of ``amax`` (+1 byte of ``k`` when expanded) for each moment: 2.078 bytes at
 ``group_size=128`` with expansion, against 8 for fp32 Adam.
 
-Non-finite gradients make the moments non-finite, exactly as in ``optax.adamw``; wrap the
-optimizer in ``optax.apply_if_finite`` to skip such steps and keep the FP8 state intact.
+The state (:class:`~coat_jax.core.adam.ScaleByFp8AdamState`) keeps the FP8 codes in each
+parameter's own shape and the per-group scales in ``(*lead, n_groups)``, so a parameter's
+``PartitionSpec`` applies to its state.
+
+Non-finite values stay where they are, as in ``optax.adamw``: a NaN or +-Inf gradient element
+makes its own moments (NaN codes) and parameter non-finite and leaves its group's other
+elements alone; a finite gradient whose square overflows (1e30) stores ``v = +inf`` for that
+element, whose updates are then 0 as adamw's are (:func:`coat_jax.core.adam.loaded_second_moment`),
+and stays out of ``m`` (:func:`coat_jax.core.adam.first_moment_gradient`).
+Wrap the optimizer in ``optax.apply_if_finite`` to skip non-finite steps entirely.
 """
 
 from __future__ import annotations
-
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -24,38 +30,10 @@ import optax
 
 from coat_jax.core import adam, quant
 from coat_jax.core.adam import ScaleByFp8AdamState
-from coat_jax.core.formats import get_format
-from coat_jax.core.quant import QuantizedArray, dequantize, quantize
+from coat_jax.ops.options import DEFAULT_GROUP_SIZE, DEFAULT_MIN_SIZE, check_format, static_int
 from pallas_kernels import adam_step, dispatch
 
-__all__ = ["DEFAULT_MIN_SIZE", "fp8_adamw", "scale_by_fp8_adam"]
-
-DEFAULT_MIN_SIZE = 16384
-"""Parameters with fewer elements keep fp32 moments: norm scales and biases up to hidden 16k."""
-
-
-def _check_format(name, what: str):
-    if name is None:
-        return None
-    try:
-        return get_format(name)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-
-
-def _check_static_int(value, what: str, minimum: int) -> int:
-    if isinstance(value, (bool, jax.Array)):
-        raise TypeError(
-            f"{what} must be a static Python int, got {type(value).__name__}; with "
-            "optax.inject_hyperparams pass static_args=('group_size', 'min_size')"
-        )
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_MIN_SIZE", "fp8_adamw", "scale_by_fp8_adam"]
 
 
 def _check_decay(value, what: str):
@@ -78,11 +56,11 @@ def scale_by_fp8_adam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
-    group_size: int = 128,
+    group_size: int | None = None,
     mu_format: str | None = "e4m3",
     nu_format: str | None = "e4m3",
     expansion: bool = True,
-    min_size: int = DEFAULT_MIN_SIZE,
+    min_size: int | None = None,
     kernels: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Rescales updates by Adam, keeping the moments in FP8.
@@ -105,11 +83,14 @@ def scale_by_fp8_adam(
       b2: decay of the second moment.
       eps: added to the denominator outside the square root.
       eps_root: added inside the square root.
-      group_size: largest quantization group along each parameter's last axis (static int).
+      group_size: largest quantization group along each parameter's last axis (a static int;
+        ``None``: :data:`DEFAULT_GROUP_SIZE`). The ``None`` defaults keep both out of
+        ``optax.inject_hyperparams``' numeric hyperparameters, so it needs no ``static_args``.
       mu_format: ``"e4m3"``, ``"e5m2"`` or ``None`` (fp32) for the first moment.
       nu_format: the same for the second moment.
       expansion: apply COAT's dynamic range expansion to each group.
-      min_size: parameters with fewer elements keep fp32 moments (static int).
+      min_size: parameters with fewer elements keep fp32 moments (a static int; ``None``:
+        :data:`DEFAULT_MIN_SIZE`).
       kernels: ``"pallas"`` (the fused moment kernel of ``pallas_kernels.adam_step``; Hopper
         GPU only), ``"reference"`` (XLA-fused jnp), ``"interpret"`` (the kernel in Pallas
         interpret mode, for tests on CPU) or ``"auto"``: the faster of the two as measured
@@ -124,10 +105,10 @@ def scale_by_fp8_adam(
       ValueError / TypeError: at construction for bad options, at ``init`` for
         non-floating-point params, at ``update`` for non-floating-point gradients.
     """
-    mu_fmt = _check_format(mu_format, "mu_format")
-    nu_fmt = _check_format(nu_format, "nu_format")
-    group_size = _check_static_int(group_size, "group_size", 1)
-    min_size = _check_static_int(min_size, "min_size", 0)
+    mu_fmt = check_format(mu_format, "mu_format")
+    nu_fmt = check_format(nu_format, "nu_format")
+    group_size = static_int(group_size, "group_size", 1, DEFAULT_GROUP_SIZE)
+    min_size = static_int(min_size, "min_size", 0, DEFAULT_MIN_SIZE)
     if not isinstance(expansion, bool):
         raise TypeError(f"expansion must be a bool, got {type(expansion).__name__}")
     _check_decay(b1, "b1")
@@ -137,25 +118,30 @@ def scale_by_fp8_adam(
     def quantized(param, fmt) -> bool:
         return fmt is not None and param.ndim >= 1 and param.size >= min_size
 
-    def encode(moment, fmt, like):
-        if isinstance(like, QuantizedArray):
-            return quantize(moment, fmt, group_size=group_size, expand=expansion)
-        return moment
-
-    def decode(state):
-        return dequantize(state) if isinstance(state, QuantizedArray) else state
-
     def init_fn(params):
         _check_float_leaves(params, "param")
 
-        def zeros(p, fmt):
+        def codes(p, fmt):
             if quantized(p, fmt):
-                return quant.zeros(p.shape, fmt, group_size, expansion)
+                return quant.param_layout(quant.zeros(p.shape, fmt, group_size, expansion))[0]
             return jnp.zeros(p.shape, jnp.float32)
 
-        mu = jax.tree.map(lambda p: zeros(p, mu_fmt), params)
-        nu = jax.tree.map(lambda p: zeros(p, nu_fmt), params)
-        return ScaleByFp8AdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+        def scales(p, dtype):  # per group; unused zeros where the moment stays fp32
+            if not p.ndim:
+                return jnp.zeros((), dtype)
+            return jnp.zeros((*p.shape[:-1], quant.group_layout(p.shape[-1], group_size)[0]), dtype)
+
+        tree = lambda f, *a: jax.tree.map(lambda p: f(p, *a), params)
+        k = (lambda: tree(scales, jnp.uint8)) if expansion else (lambda: None)
+        return ScaleByFp8AdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=tree(codes, mu_fmt),
+            nu=tree(codes, nu_fmt),
+            mu_amax=tree(scales, jnp.float32),
+            nu_amax=tree(scales, jnp.float32),
+            mu_k=k(),
+            nu_k=k(),
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -177,16 +163,17 @@ def scale_by_fp8_adam(
                 return adam_step.fp8_adam_moments(
                     g, mu, nu, coeffs, interpret=kernels == "interpret"
                 )
-            m, v = adam.update_moments(g.astype(jnp.float32), decode(mu), decode(nu), coeffs)
-            u = adam.direction(m, v, coeffs)
-            return u.astype(g.dtype), encode(m, mu_fmt, mu), encode(v, nu_fmt, nu)
+            u, m, v = adam.stored_step(g.astype(jnp.float32), mu, nu, coeffs)
+            return u.astype(g.dtype), m, v
 
         flat_g, treedef = jax.tree.flatten(updates)
-        flat_mu = treedef.flatten_up_to(state.mu)
-        flat_nu = treedef.flatten_up_to(state.nu)
+        flat_mu, flat_nu = adam.moments(state, treedef)
         out = [leaf(g, m, v) for g, m, v in zip(flat_g, flat_mu, flat_nu, strict=True)]
-        new_updates, new_mu, new_nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
-        return new_updates, ScaleByFp8AdamState(count=count_inc, mu=new_mu, nu=new_nu)
+        new_updates = treedef.unflatten([o[0] for o in out])
+        new_state = adam.from_moments(
+            state, treedef, count_inc, [o[1] for o in out], [o[2] for o in out]
+        )
+        return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -200,11 +187,11 @@ def fp8_adamw(
     weight_decay: float = 1e-4,
     mask=None,
     *,
-    group_size: int = 128,
+    group_size: int | None = None,
     mu_format: str | None = "e4m3",
     nu_format: str | None = "e4m3",
     expansion: bool = True,
-    min_size: int = DEFAULT_MIN_SIZE,
+    min_size: int | None = None,
     kernels: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     r"""AdamW with FP8 moments (COAT): ``optax.adamw`` at about a quarter of its state memory.
@@ -236,8 +223,8 @@ def fp8_adamw(
       >>> state = opt.init(params)
       >>> updates, state = opt.update({"w": jnp.full((256, 256), 0.5)}, state, params)
       >>> params = optax.apply_updates(params, updates)
-      >>> str(state[0].mu["w"].data.dtype)
-      'float8_e4m3fn'
+      >>> str(state[0].mu["w"].dtype), state[0].mu["w"].shape, state[0].mu_amax["w"].shape
+      ('float8_e4m3fn', (256, 256), (256, 2))
 
     References:
       Xi et al., COAT: Compressing Optimizer states and Activation for memory-efficient FP8

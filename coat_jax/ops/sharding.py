@@ -1,14 +1,15 @@
 """Meshes, logical axis rules, and partition specs for parameters AND the FP8 optimizer state.
 
 Parameters carry logical axis names (``coat_jax.models.nn``: metadata ``logical_axes``); one rule
-table maps them to mesh axes ``("data", "fsdp", "tensor")``. The FP8 optimizer state keeps each
-parameter's leading shape with groups along the last axis, so its specs follow from the
-parameter's: codes ``(*lead, n_groups, size)`` get ``P(*lead_spec, last_spec, None)`` and the
-per-group ``amax`` / ``k`` get ``P(*lead_spec, last_spec)``. Every state shard then sits on the
-device that holds the matching parameter and gradient shard: the update needs no communication
-(tested on the compiled HLO) as long as groups do not straddle shards, i.e. ``last_dim /
-group_size`` divides by the mesh axes of the last axis (Llama: 4096 / 128 = 32 groups). Where it
-does not, that axis of the state is replicated and XLA moves data.
+table maps them to mesh axes ``("data", "fsdp", "tensor")``. The FP8 optimizer state keeps its
+codes in each parameter's shape and its per-group scales in ``(*lead, n_groups)``
+(:class:`~coat_jax.core.adam.ScaleByFp8AdamState`), so its specs are the parameter's: codes
+``P(*lead_spec, last_spec)`` and scales the same with the last axis split only where the group
+count divides. Every state shard then sits on the device that holds the matching parameter and
+gradient shard: the update needs no communication (tested on the compiled HLO) as long as
+groups do not straddle shards, i.e. ``last_dim / group_size`` divides by the mesh axes of the
+last axis (Llama: 4096 / 128 = 32 groups). Where it does not, the scales' last axis is
+replicated and XLA moves data.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from coat_jax.core.quant import QuantizedArray
 
 __all__ = [
     "MESH_AXES",
@@ -94,25 +93,18 @@ def param_specs(mesh: Mesh, params: nnx.State, rules=RULES):
 
 
 def optimizer_specs(mesh: Mesh, optimizer, opt_state, specs):
-    """Specs for ``opt_state`` from the parameters' ``specs`` (see module docstring)."""
+    """Specs for ``opt_state`` from the parameters' ``specs`` (see module docstring): a state
+    leaf of its parameter's rank takes the parameter's spec, each axis split only where its
+    own size divides (the FP8 codes exactly as the parameter; the per-group scales with the
+    grouped last axis where the group count divides); anything else is replicated."""
 
     def follow(leaf, spec):
-        if not isinstance(leaf, QuantizedArray):
-            return spec if getattr(leaf, "ndim", 0) == len(spec) else P()
-        lead = tuple(spec)[:-1]
-        last = fits(mesh, spec[-1], leaf.amax.shape[-1])
-        per_group = P(*lead, last)
-        return QuantizedArray(
-            P(*lead, last, None), per_group, None if leaf.k is None else per_group, leaf.last_dim
-        )
+        if getattr(leaf, "ndim", 0) != len(spec) or not len(spec):
+            return P()
+        return P(*(fits(mesh, a, n) for a, n in zip(spec, leaf.shape, strict=True)))
 
     return optax.tree_utils.tree_map_params(
-        optimizer,
-        follow,
-        opt_state,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, QuantizedArray),
+        optimizer, follow, opt_state, specs, transform_non_params=lambda _: P()
     )
 
 

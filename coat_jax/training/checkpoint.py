@@ -13,7 +13,9 @@ restore (a truncated or garbage file, a missing item, an empty step folder).
 :meth:`Checkpointer.restore_newest` walks back from the newest step to the newest one that
 restores and is finite, and moves each one it passes into ``<directory>_damaged/`` (nothing a
 user saved is deleted), saying why in one line. Rolling back past intact checkpoints (after a
-divergence) moves the newer ones into ``<directory>_superseded/``.
+divergence) moves the newer ones into ``<directory>_superseded/``. A checkpoint whose fp8_adamw
+state has an older layout (``meta["opt_state_layout"]``, absent before layout 2) is refused
+with :class:`StateLayoutError` and left where it is.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-__all__ = ["Checkpointer", "NonFiniteStateError", "Restored", "all_finite"]
+from coat_jax.core.adam import STATE_LAYOUT, ScaleByFp8AdamState
+
+__all__ = ["Checkpointer", "NonFiniteStateError", "Restored", "StateLayoutError", "all_finite"]
 
 
 class NonFiniteStateError(ValueError):
     """A state holding NaN or Inf was about to be saved."""
+
+
+class StateLayoutError(ValueError):
+    """A checkpoint holds fp8_adamw state in a layout this version does not read."""
+
+
+def _holds_fp8_adam(opt_state) -> bool:
+    is_adam = lambda s: isinstance(s, ScaleByFp8AdamState)
+    return any(is_adam(s) for s in jax.tree.leaves(opt_state, is_leaf=is_adam))
 
 
 @jax.jit
@@ -149,7 +162,7 @@ class Checkpointer:
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
                 opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(dict(meta, step=step)),
+                meta=ocp.args.JsonSave(dict(meta, step=step, opt_state_layout=STATE_LAYOUT)),
             ),
         )
 
@@ -180,12 +193,15 @@ class Checkpointer:
         to :attr:`superseded_directory`, each said in one line.
         """
         skipped = []
+        check_layout = _holds_fp8_adam(opt_state_like)
         for step in sorted(self.all_steps(), reverse=True):
             if at_most is not None and step > at_most:
                 moved = self._move_aside(step, self.superseded_directory)
                 log(f"Checkpoint {step} set aside (newer than config.resume_step={at_most}); "
                     f"moved to {moved}")  # fmt: skip
                 continue
+            if check_layout:
+                self.check_layout(step)
             try:
                 params, opt_state, meta = self.restore(step, params_like, opt_state_like)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
@@ -199,6 +215,24 @@ class Checkpointer:
             log(f"Checkpoint {step} skipped ({reason}); moved to {moved}")
             skipped.append((step, reason, moved))
         return None
+
+    def check_layout(self, step: int) -> None:
+        """Raises :class:`StateLayoutError` if ``step`` holds fp8_adamw state in another layout
+        than :data:`coat_jax.core.adam.STATE_LAYOUT` (nothing is moved: the checkpoint is
+        intact, only older than this code). A meta that cannot be read passes: the restore
+        that follows says what is wrong with it."""
+        try:
+            saved = self.read_meta(step).get("opt_state_layout", 1)
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_newest reports it
+            _quiet_failed_reads()
+            return
+        if saved != STATE_LAYOUT:
+            raise StateLayoutError(
+                f"checkpoint {self.directory}/{step} holds fp8_adamw state layout {saved} "
+                f"(coat-jax before 2026-12-01: FP8 codes shaped (*lead, groups, size)); this "
+                f"coat-jax reads layout {STATE_LAYOUT}: resume it with the coat-jax that wrote "
+                "it, or start a new run from its weights (config.init_from=<its workdir>)"
+            )
 
     def _move_aside(self, step: int, folder: str) -> str:
         """Moves step ``step``'s folder into ``folder`` (process 0; all wait)."""
