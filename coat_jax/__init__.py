@@ -5,6 +5,8 @@ Public API:
 * :func:`fp8_adamw`, :func:`scale_by_fp8_adam`: optax optimizers whose Adam moments are FP8
   with per-group dynamic range expansion; :func:`fused_fp8_adamw_update`: the same update and
   ``optax.apply_updates`` in one pass (Pallas on Hopper, for trainers that own the step).
+* :func:`fp8_state`, :class:`Fp8WrappedState`: any optax transformation (``optax.adam``,
+  ``optax.lion``, ...) with its parameter-shaped float state stored in FP8.
 * :func:`quantize`, :func:`dequantize`, :class:`QuantizedArray`: FP8 quantization per tensor or
   per group along the last axis, as a pytree.
 * :data:`E4M3`, :data:`E5M2`, :func:`get_format`: the FP8 formats; :class:`Fp8Recipe`: how a
@@ -24,15 +26,18 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "DEFAULT_MIN_SIZE": "coat_jax.ops.optim",
+    "DEFAULT_GROUP_SIZE": "coat_jax.ops.options",
+    "DEFAULT_MIN_SIZE": "coat_jax.ops.options",
     "E4M3": "coat_jax.core.formats",
     "E5M2": "coat_jax.core.formats",
     "Fp8Format": "coat_jax.core.formats",
     "Fp8Recipe": "coat_jax.core.recipe",
+    "Fp8WrappedState": "coat_jax.ops.fp8_state",
     "QuantizedArray": "coat_jax.core.quant",
     "ScaleByFp8AdamState": "coat_jax.core.adam",
     "dequantize": "coat_jax.core.quant",
     "fp8_adamw": "coat_jax.ops.optim",
+    "fp8_state": "coat_jax.ops.fp8_state",
     "fused_fp8_adamw_update": ("coat_jax.ops.fused_update", "fp8_adamw_update"),
     "get_format": "coat_jax.core.formats",
     "quantize": "coat_jax.core.quant",
