@@ -101,6 +101,9 @@ def test_roundtrip_error_within_format_bound(seed, shape, fmt, group_size, expan
 @example(  # amax = 2^126: 2^-126 from exp2 is 0 in XLA, so the exponent split must stop short
     x=np.array([[0.0] * 21 + [1.0, 8.5070536e37]], np.float32), fmt="e4m3", expand=True
 )
+@example(  # k = 1/8: the tiny element's code decodes below fp32's normal range (was flushed)
+    x=np.array([[0.0] * 7 + [1.0, 1.8593276e-38]], np.float32), fmt="e4m3", expand=True
+)
 def test_roundtrip_bound_on_arbitrary_finite_values(x, fmt, expand):
     q, y = roundtrip(jnp.asarray(x), fmt, 16, expand)
     assert np.all(np.isfinite(np.asarray(y)))

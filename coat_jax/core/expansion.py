@@ -149,7 +149,11 @@ def expanded_decode(
     shift = jnp.where(compress, e, 0.0)
     mult = jnp.where(compress, amax * jnp.exp2(-e), amax)
     magnitude = jnp.where(a == fmt.max, amax, jnp.exp2(t + shift) * mult)  # exact at the top
-    return jnp.sign(q) * magnitude
+    # A nonzero code whose value lands below fp32's normal range (k < 1 groups spanning ~38
+    # decades) decodes to the smallest normal (or amax, if smaller), not to a denormal that
+    # XLA flushes to 0: found by tests/test_quant.py's hypothesis run ([1.0, 1.86e-38], e4m3).
+    floor = jnp.where(a > 0, jnp.minimum(_TINY, amax), 0.0)
+    return jnp.sign(q) * jnp.maximum(magnitude, floor)
 
 
 def expansion_centre(amax: jax.Array, amin: jax.Array) -> jax.Array:
