@@ -29,6 +29,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from hf_util import save_random, torch_logits  # noqa: E402
+
 VOCAB, SEQ = 128, 24
 BASE = dict(
     vocab_size=VOCAB,
@@ -60,22 +62,8 @@ VARIANTS = {
 
 def make_hf_model(path, seed=0, **overrides):
     """A random transformers Llama saved to ``path``; returns the (fp32, eval) model."""
-    torch.manual_seed(seed)
     config = transformers.LlamaConfig(**{**BASE, **overrides})
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-def torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+    return save_random(transformers.LlamaForCausalLM(config), path, seed)
 
 
 def rel_err(a, b):

@@ -1,9 +1,11 @@
-"""Hugging Face Llama folders in and out: ``config.json`` + ``*.safetensors``.
+"""Hugging Face Llama and OLMo folders in and out: ``config.json`` + ``*.safetensors``.
 
 Import (:func:`read_config`, :func:`load_params`, :func:`load_model`) reads a local folder as
 written by ``transformers``' ``LlamaForCausalLM.save_pretrained`` (Llama 2, Llama 3 with GQA,
-RoPE scaling ``linear`` or ``llama3``, tied or untied embeddings). It checks ``config.json`` and
-every tensor's name, shape and dtype from the safetensors headers before reading any weight,
+RoPE scaling ``linear`` or ``llama3``, tied or untied embeddings) or by
+``OlmoForCausalLM.save_pretrained`` (OLMo v1, ``model_type`` ``"olmo"``: a :class:`LlamaConfig`
+with ``norm="layer"``, eps 1e-5 and its ``clip_qkv``). It checks ``config.json`` and every
+tensor's name, shape and dtype from the safetensors headers before reading any weight,
 then streams one tensor at a time: each device reads only its shard of the (memory-mapped)
 file and receives it already cast and transposed, so host memory never holds more than one
 tensor's shard beyond the model itself. Export (:func:`save_pretrained`) writes the folder
@@ -25,6 +27,9 @@ Weight mapping (HF ``nn.Linear`` weights are ``(out, in)``; ours are ``(in, out)
     model.norm.weight                    (d,)            final_norm                    =
     lm_head.weight                       (V, d)          lm_head            (d, V)     .T
                                                          (absent when tied: embed.T)
+
+OLMo's tensors have the same names, without the three norm weights: its LayerNorms have none.
+OLMo 2 (``model_type`` ``"olmo2"``: RMSNorm after attention and MLP, QK-norm) is refused.
 
 No q/k permutation is needed: :func:`coat_jax.ops.plain.rope` rotates the two halves of each head
 (HF's ``rotate_half``), the layout HF's Llama checkpoints are stored in. HF's
@@ -68,6 +73,13 @@ _DTYPES = ("BF16", "F16", "F32")  # read; cast to the param dtype
 _DROPPED = ("rope_parameters", "rope_scaling", "transformers_version")  # rewritten or stale
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")  # fmt: skip
+# model_type -> (architecture, config.json keys of the other model types, dropped on export)
+_MODELS = {
+    "llama": ("LlamaForCausalLM", ("clip_qkv",)),
+    "olmo": ("OlmoForCausalLM", ("rms_norm_eps", "mlp_bias")),
+}
+_REFUSED = {"olmo2": "OLMo 2's norms after attention and MLP and its QK-norm are not implemented"}
+OLMO_NORM_EPS = 1e-5  # transformers' OlmoLayerNorm: fixed, not in config.json
 
 
 def _safetensors():
@@ -119,14 +131,27 @@ def read_config(path: str, precision: str = "coat") -> LlamaConfig:
     return config_from_hf(hf, precision, file)
 
 
+def _model_type(hf: dict, bad) -> str:
+    """``"llama"`` or ``"olmo"``: from ``architectures``, or ``model_type`` when it is absent."""
+    arch, model_type = hf.get("architectures"), hf.get("model_type")
+    if model_type in _REFUSED:
+        raise bad("model_type", f"{model_type!r} is not supported ({_REFUSED[model_type]})")
+    if arch is None:
+        if model_type not in _MODELS:
+            raise bad("architectures", f"missing (and model_type {model_type!r} is not one of "
+                      f"{list(_MODELS)})")  # fmt: skip
+        return model_type
+    for kind, (name, _) in _MODELS.items():
+        if arch == [name]:
+            return kind
+    expected = " or ".join(repr([name]) for name, _ in _MODELS.values())
+    raise bad("architectures", f"{arch!r} is not supported; expected {expected}")
+
+
 def config_from_hf(hf: dict, precision: str = "coat", file: str = CONFIG) -> LlamaConfig:
     """:class:`LlamaConfig` from a parsed ``config.json``; ``file`` names it in errors."""
     bad = lambda key, msg: ValueError(f"{file}: {key}: {msg}")
-    arch = hf.get("architectures")
-    if arch is None and hf.get("model_type") != "llama":
-        raise bad("architectures", "missing (and model_type is not 'llama')")
-    if arch is not None and arch != ["LlamaForCausalLM"]:
-        raise bad("architectures", f"{arch!r} is not supported; expected ['LlamaForCausalLM']")
+    model_type = _model_type(hf, bad)
     for key in _REQUIRED:
         if key not in hf:
             raise bad(key, "missing")
@@ -149,6 +174,14 @@ def config_from_hf(hf: dict, precision: str = "coat", file: str = CONFIG) -> Lla
         raise bad("head_dim", f"{head_dim} != hidden_size / num_attention_heads "
                   f"({dim // n_heads}); only that head size is supported")  # fmt: skip
     rope = _rope_from_hf(hf, bad)
+    if model_type == "olmo":
+        clip = hf.get("clip_qkv")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or clip <= 0):  # fmt: skip
+            raise bad("clip_qkv", f"must be null or a number > 0, got {clip!r}")
+        norm = dict(norm="layer", norm_eps=OLMO_NORM_EPS, clip_qkv=clip)
+    else:
+        norm = dict(norm="rms", norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
     try:
         return LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -157,9 +190,9 @@ def config_from_hf(hf: dict, precision: str = "coat", file: str = CONFIG) -> Lla
             n_heads=n_heads,
             n_kv_heads=n_kv,
             ffn_dim=hf["intermediate_size"],
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             precision=precision,
+            **norm,
             **rope,
         )
     except ValueError as e:
@@ -198,14 +231,38 @@ def _rope_from_hf(hf: dict, bad) -> dict:
     return fields
 
 
+def _hf_model_type(config: LlamaConfig) -> str:
+    """The transformers model type of ``config``'s architecture: ``"olmo"`` for the weightless
+    LayerNorm, else ``"llama"``."""
+    return "olmo" if config.norm == "layer" else "llama"
+
+
+def _check_exportable(config: LlamaConfig) -> None:
+    """Raises ValueError if transformers' model of ``config`` cannot express a setting."""
+    if config.norm == "layer" and config.norm_eps != OLMO_NORM_EPS:
+        raise ValueError(f"LlamaConfig.norm_eps={config.norm_eps}: transformers' OLMo "
+                         f"LayerNorm has eps {OLMO_NORM_EPS} (not configurable)")  # fmt: skip
+    if config.norm == "rms" and config.clip_qkv is not None:
+        raise ValueError(f"LlamaConfig.clip_qkv={config.clip_qkv}: transformers' Llama has no "
+                         "clip_qkv (OLMo's has: norm='layer')")  # fmt: skip
+
+
 def config_to_hf(config: LlamaConfig, base: dict | None = None, dtype: str = "bfloat16") -> dict:
-    """A ``config.json`` for ``config``; other keys of ``base`` (token ids, context length) are
-    kept. RoPE is written as ``rope_theta`` + ``rope_scaling``, which transformers 4 and 5
-    both read."""
-    hf = {k: v for k, v in (base or {}).items() if k not in _DROPPED}
+    """A ``config.json`` for ``config`` (an ``OlmoForCausalLM``'s if ``config.norm`` is
+    ``"layer"``, else a ``LlamaForCausalLM``'s); other keys of ``base`` (token ids, context
+    length) are kept. RoPE is written as ``rope_theta`` + ``rope_scaling``, which
+    transformers 4 and 5 both read.
+
+    Raises:
+      ValueError: ``config`` has a setting transformers' model cannot express.
+    """
+    _check_exportable(config)
+    model_type = _hf_model_type(config)
+    arch, foreign = _MODELS[model_type]
+    hf = {k: v for k, v in (base or {}).items() if k not in _DROPPED + foreign}
     hf.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        architectures=[arch],
+        model_type=model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
         intermediate_size=config.ffn_dim,
@@ -214,15 +271,17 @@ def config_to_hf(config: LlamaConfig, base: dict | None = None, dtype: str = "bf
         num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim,
         hidden_act="silu",
-        rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta,
         rope_scaling=None,
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
-        mlp_bias=False,
         torch_dtype=dtype,  # transformers 4's name
         dtype=dtype,  # transformers 5's
     )
+    if model_type == "olmo":
+        hf.update(clip_qkv=config.clip_qkv)
+    else:
+        hf.update(rms_norm_eps=config.norm_eps, mlp_bias=False)
     hf.setdefault("max_position_embeddings", 4096)
     if config.rope_scaling != "none":
         hf["rope_scaling"] = dict(rope_type=config.rope_scaling, factor=config.rope_factor)
@@ -242,23 +301,27 @@ def config_to_hf(config: LlamaConfig, base: dict | None = None, dtype: str = "bf
 def tensor_names(config: LlamaConfig) -> dict[tuple, tuple[str, tuple[int, ...], bool]]:
     """Our param path -> ``(HF tensor name, HF shape, transposed)`` (module docstring)."""
     d, f, v, kv = config.dim, config.ffn_dim, config.vocab_size, config.kv_heads * config.head_dim
-    names = {("embed",): ("model.embed_tokens.weight", (v, d), False),
-             ("final_norm",): ("model.norm.weight", (d,), False)}  # fmt: skip
+    names = {("embed",): ("model.embed_tokens.weight", (v, d), False)}
+    if config.norm == "rms":
+        names[("final_norm",)] = ("model.norm.weight", (d,), False)
     if not config.tie_embeddings:
         names[("lm_head",)] = ("lm_head.weight", (v, d), True)
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}.", ("blocks", i)
         names.update({
-            (*ours, "attention", "norm"): (hf + "input_layernorm.weight", (d,), False),
             (*ours, "attention", "wq"): (hf + "self_attn.q_proj.weight", (d, d), True),
             (*ours, "attention", "wk"): (hf + "self_attn.k_proj.weight", (kv, d), True),
             (*ours, "attention", "wv"): (hf + "self_attn.v_proj.weight", (kv, d), True),
             (*ours, "attention", "wo"): (hf + "self_attn.o_proj.weight", (d, d), True),
-            (*ours, "mlp", "norm"): (hf + "post_attention_layernorm.weight", (d,), False),
             (*ours, "mlp", "w_gate"): (hf + "mlp.gate_proj.weight", (f, d), True),
             (*ours, "mlp", "w_up"): (hf + "mlp.up_proj.weight", (f, d), True),
             (*ours, "mlp", "w_down"): (hf + "mlp.down_proj.weight", (d, f), True),
         })  # fmt: skip
+        if config.norm == "rms":
+            names.update({
+                (*ours, "attention", "norm"): (hf + "input_layernorm.weight", (d,), False),
+                (*ours, "mlp", "norm"): (hf + "post_attention_layernorm.weight", (d,), False),
+            })  # fmt: skip
     return names
 
 
@@ -295,7 +358,8 @@ def _check_tensors(path: str, config: LlamaConfig) -> dict[str, str]:
     expected = {name: shape for name, shape, _ in tensor_names(config).values()}
     for name in files:
         if name not in expected and not _ignored(name, config):
-            raise ValueError(f"{listing}: {name}: unexpected tensor for a Llama with {CONFIG} "
+            arch = _MODELS[_hf_model_type(config)][0]
+            raise ValueError(f"{listing}: {name}: unexpected tensor for a {arch} with {CONFIG} "
                              "as given")  # fmt: skip
     for name in expected:
         if name not in files:
@@ -421,6 +485,7 @@ def save_pretrained(
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
     if dtype not in np_dtype:
         raise ValueError(f"save_pretrained: dtype={dtype!r}: expected one of {list(np_dtype)}")
+    hf_config = config_to_hf(config, base_config, dtype)  # raises before anything is written
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
     flat = {p: _unbox(v) for p, v in nnx.to_flat_state(params)}
@@ -461,7 +526,7 @@ def save_pretrained(
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         files.append(INDEX)
     with open(os.path.join(out, CONFIG), "w") as f:
-        json.dump(config_to_hf(config, base_config, dtype), f, indent=2)
+        json.dump(hf_config, f, indent=2)
     files.append(CONFIG)
     if tokenizer_from:
         for name in TOKENIZER_FILES:

@@ -1,4 +1,5 @@
-"""Llama (RoPE, GQA, SwiGLU, RMSNorm, tied or untied head) as a Flax NNX model.
+"""Llama (RoPE, GQA, SwiGLU, RMSNorm, tied or untied head) as a Flax NNX model, and OLMo v1 as
+a configuration of it (``norm="layer"``: LayerNorm without weight or bias; ``clip_qkv``).
 
 The precision policy (``"bf16"``, ``"fp8_linear"``, ``"coat"``) is a config field; embedding,
 final norm, LM head and the loss stay BF16/fp32 in every policy.
@@ -7,6 +8,7 @@ final norm, LM head and the loss stay BF16/fp32 in every policy.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ from coat_jax.models.policy import get_policy
 from coat_jax.ops import plain
 from coat_jax.ops.sharding import constrain
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "loss_fn"]
+__all__ = ["PRESETS", "KVCache", "Llama", "LlamaConfig", "init_cache", "loss_fn"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +37,11 @@ class LlamaConfig:
         :class:`~coat_jax.ops.plain.RopeScaling`), with ``rope_factor``, ``rope_low_freq_factor``,
         ``rope_high_freq_factor`` and ``rope_original_max_len`` (Hugging Face's
         ``original_max_position_embeddings``); the last three matter for ``"llama3"`` only.
-      norm_eps: RMSNorm epsilon.
+      norm_eps: the norms' epsilon.
+      norm: ``"rms"`` (RMSNorm with a weight, Llama) or ``"layer"`` (LayerNorm without weight or
+        bias, OLMo v1), for the pre-norms and the final norm.
+      clip_qkv: ``None``, or ``c > 0``: the query, key and value projections are clamped to
+        ``[-c, c]`` (OLMo's ``clip_qkv``).
       tie_embeddings: use the embedding matrix as the LM head.
       precision: ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
       fp8: the FP8 recipe of the FP8 precisions (formats, group size, GEMM backend).
@@ -54,6 +60,8 @@ class LlamaConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
+    norm: str = "rms"
+    clip_qkv: float | None = None
     tie_embeddings: bool = False
     precision: str = "coat"
     fp8: Fp8Recipe = Fp8Recipe()
@@ -74,6 +82,11 @@ class LlamaConfig:
                 f"LlamaConfig.rope_scaling={self.rope_scaling!r}: expected 'none', 'linear' "
                 "or 'llama3'"
             )
+        if self.norm not in plain.NORMS:
+            raise ValueError(f"LlamaConfig.norm={self.norm!r}: expected one of {plain.NORMS}")
+        c = self.clip_qkv
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
+            raise ValueError(f"LlamaConfig.clip_qkv must be None or a number > 0, got {c!r}")
         self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
         if not isinstance(self.fp8, Fp8Recipe):
@@ -113,11 +126,17 @@ class LlamaConfig:
         except ValueError as e:
             raise ValueError(f"LlamaConfig: {e}") from None
 
+    @property
+    def family(self) -> str:
+        """``"OLMo"`` for the non-parametric layer norm (OLMo v1), else ``"Llama"``."""
+        return "OLMo" if self.norm == "layer" else "Llama"
+
     def num_params(self) -> int:
         kv = self.kv_heads * self.head_dim
-        block = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        norm = self.dim if self.norm == "rms" else 0  # the weightless LayerNorm has none
+        block = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.ffn_dim + 2 * norm
         head = 0 if self.tie_embeddings else self.dim * self.vocab_size
-        return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+        return self.vocab_size * self.dim + self.n_layers * block + norm + head
 
 
 PRESETS = {
@@ -125,6 +144,22 @@ PRESETS = {
     "llama2_7b": LlamaConfig(),
     "llama2_13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
     "llama3_8b": LlamaConfig(vocab_size=128256, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0),
+    # OLMo v1 (arXiv 2402.00838), from allenai/OLMo configs/official/OLMo-{1B,7B}.yaml: 50280
+    # tokens in 50304 embedding rows, context 2048, RoPE theta 10000, LayerNorm without weight
+    # or bias (eps 1e-5), no clipping; SwiGLU width = their MLP hidden size / 2 (16384, 22016).
+    # transformers' OlmoConfig defaults are the 7B's.
+    "olmo_1b": LlamaConfig(
+        vocab_size=50304,
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        ffn_dim=8192,
+        norm="layer",
+        tie_embeddings=True,
+    ),
+    "olmo_7b": LlamaConfig(
+        vocab_size=50304, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, norm="layer"
+    ),
 }
 
 
@@ -139,6 +174,8 @@ def make_block(config: LlamaConfig, policy, param_dtype, rngs: nnx.Rngs) -> Bloc
         rope_theta=config.rope_theta,
         rope_scaling=config.rope(),
         norm_eps=config.norm_eps,
+        norm=config.norm,
+        clip_qkv=config.clip_qkv,
         param_dtype=param_dtype,
         rngs=rngs,
     )
@@ -157,7 +194,10 @@ class Llama(nnx.Module):
         self.blocks = nnx.List(
             [make_block(config, policy, param_dtype, rngs) for _ in range(config.n_layers)]
         )
-        self.final_norm = nnx.Param(jnp.ones((config.dim,), param_dtype), logical_axes=("embed",))
+        final_norm = None  # the weightless LayerNorm has no weight
+        if config.norm == "rms":
+            final_norm = nnx.Param(jnp.ones((config.dim,), param_dtype), logical_axes=("embed",))
+        self.final_norm = nnx.data(final_norm)
         head = None
         if not config.tie_embeddings:
             w = jax.random.normal(rngs.params(), (config.dim, config.vocab_size), param_dtype)
@@ -180,10 +220,65 @@ class Llama(nnx.Module):
         x = constrain(table[tokens].astype(compute_dtype), hidden)
         for block in self.blocks:
             x = constrain(block(x, positions), hidden)
-        x = plain.rmsnorm(x, self.final_norm[...], self.config.norm_eps)
+        return constrain(self._head(x, compute_dtype), ("batch", None, "vocab"))
+
+    def _head(self, x: jax.Array, compute_dtype) -> jax.Array:
+        """fp32 logits of the last block's output ``x``: the final norm, then the LM head."""
+        scale = None if self.final_norm is None else self.final_norm[...]
+        x = plain.norm(x, scale, self.config.norm_eps, self.config.norm)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", None, "vocab"))
+        return jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, compute_dtype=jnp.bfloat16):
+        """Logits of ``tokens (B, T)`` placed in cache slots ``cache.length ..``, and the cache
+        with their keys and values: ``(fp32 logits (B, T, vocab), cache)``. A prompt fills the
+        cache in one call, then one token per call; with the ``bf16`` policy the logits equal
+        :meth:`__call__`'s on the same (unpadded) sequence up to the compute dtype's rounding.
+        The FP8 policies' per-tensor scales depend on each call's tokens, so their cached logits
+        differ (generation runs ``bf16``: :mod:`coat_jax.training.generate`)."""
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"Llama.decode expects int tokens (batch, seq), got {tokens.dtype}{tokens.shape}"
+            )
+        return _decode(self, tokens, cache, compute_dtype)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for generation (:meth:`Llama.decode`).
+
+    Attributes:
+      k, v: per layer, ``(batch, max_len, n_kv_heads, head_dim)``.
+      length: int32 ``()``: slots filled, the same in every row (prompts are left-padded).
+      start: int32 ``(batch,)``: each row's first real slot (its left padding); RoPE positions
+        count from it, and no query sees a key before it.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    length: jax.Array
+    start: jax.Array
+
+
+def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16, start=None):
+    """An empty :class:`KVCache` of ``max_len`` slots; ``start`` (``(batch,)``, default 0) is
+    each row's left padding."""
+    shape = (batch, max_len, config.kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), start)
+
+
+def _decode(model: Llama, tokens: jax.Array, cache: KVCache, compute_dtype) -> tuple:
+    table = model.embed[...].astype(compute_dtype)
+    x = table[tokens]
+    ks, vs = [], []
+    for block, k, v in zip(model.blocks, cache.k, cache.v, strict=True):
+        x, k, v = block.decode(x, k, v, cache.length, cache.start)
+        ks.append(k)
+        vs.append(v)
+    logits = model._head(x, compute_dtype)
+    length = cache.length + tokens.shape[1]
+    return logits, KVCache(tuple(ks), tuple(vs), length, cache.start)
 
 
 def loss_fn(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:

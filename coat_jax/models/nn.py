@@ -1,5 +1,7 @@
 """Flax NNX layers of a Llama block; each asks its precision :class:`~coat_jax.models.policy.Policy`
-for the precision-sensitive ops, so one code path serves BF16, FP8-linear and COAT.
+for the precision-sensitive ops, so one code path serves BF16, FP8-linear and COAT. The pre-norm
+is RMSNorm with a weight (``norm="rms"``, Llama) or LayerNorm without weight or bias
+(``norm="layer"``, OLMo v1); ``clip_qkv`` clamps the query, key and value projections (OLMo).
 
 Parameters are stored in ``param_dtype`` (fp32 master weights by default) and annotated with
 logical axis names (metadata ``logical_axes``) that :mod:`coat_jax.ops.sharding` maps to a mesh:
@@ -32,12 +34,25 @@ def _dense(rngs: nnx.Rngs, fan_in: int, fan_out: int, axes, dtype) -> nnx.Param:
     return nnx.Param(w, logical_axes=axes)
 
 
-def _ones(dim: int, dtype) -> nnx.Param:
+def _norm_weight(norm: str, dim: int, dtype):
+    """The pre-norm's weight: ones for RMSNorm, none (``None``) for the weightless LayerNorm."""
+    if norm not in plain.NORMS:
+        raise ValueError(f"norm={norm!r}: expected one of {plain.NORMS}")
+    if norm == "layer":
+        return nnx.data(None)
     return nnx.Param(jnp.ones((dim,), dtype), logical_axes=("embed",))
 
 
+def _norm_project(layer, x, kernels):
+    """``layer``'s pre-norm of ``x`` and the projections by ``kernels``, through its policy."""
+    scale = None if layer.norm is None else layer.norm[...]
+    kernels = tuple(w[...] for w in kernels)
+    return layer.policy.norm_project(x, scale, kernels, layer.norm_eps, layer.norm_kind)
+
+
 class Attention(nnx.Module):
-    """Pre-norm causal self-attention with GQA and RoPE; returns the residual branch."""
+    """Pre-norm causal self-attention with GQA, RoPE and optionally clipped q, k, v; returns the
+    residual branch."""
 
     def __init__(
         self,
@@ -49,6 +64,8 @@ class Attention(nnx.Module):
         rope_theta: float = 10000.0,
         rope_scaling: plain.RopeScaling | None = None,
         norm_eps: float = 1e-5,
+        norm: str = "rms",
+        clip_qkv: float | None = None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -59,25 +76,45 @@ class Attention(nnx.Module):
             )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.policy, self.rope_theta, self.norm_eps = policy, rope_theta, norm_eps
-        self.rope_scaling = rope_scaling
+        self.rope_scaling, self.norm_kind, self.clip_qkv = rope_scaling, norm, clip_qkv
         kv = n_kv_heads * self.head_dim
-        self.norm = _ones(dim, param_dtype)
+        self.norm = _norm_weight(norm, dim, param_dtype)
         self.wq = _dense(rngs, dim, dim, ("embed", "q_heads"), param_dtype)
         self.wk = _dense(rngs, dim, kv, ("embed", "kv_heads"), param_dtype)
         self.wv = _dense(rngs, dim, kv, ("embed", "kv_heads"), param_dtype)
         self.wo = _dense(rngs, dim, dim, ("q_heads", "embed"), param_dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def _qkv(self, x, positions):
+        """Heads ``(B, T, heads, head_dim)`` of the normed ``x``: q and k rotated, v."""
         b, t, _ = x.shape
-        q, k, v = self.policy.norm_project(
-            x, self.norm[...], (self.wq[...], self.wk[...], self.wv[...]), self.norm_eps
-        )
+        q, k, v = _norm_project(self, x, (self.wq, self.wk, self.wv))
+        if self.clip_qkv is not None:
+            q, k, v = (plain.clip(y, self.clip_qkv) for y in (q, k, v))
         rope = lambda y: plain.rope(y, positions, self.rope_theta, self.rope_scaling)
         q = rope(q.reshape(b, t, self.n_heads, self.head_dim))
         k = rope(k.reshape(b, t, self.n_kv_heads, self.head_dim))
-        v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
+        return q, k, v.reshape(b, t, self.n_kv_heads, self.head_dim)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, positions)
         o = plain.attention(q, k, v).reshape(b, t, -1)
         return self.policy.project(o, self.wo[...])
+
+    def decode(self, x, k_cache, v_cache, length, start):
+        """The branch for tokens in cache slots ``length ..`` (``x (B, T, dim)``), their keys and
+        values written into the caches: ``(out, k_cache, v_cache)``. RoPE positions count from
+        each row's ``start`` (its left padding); see :func:`coat_jax.ops.plain.cached_attention`.
+        """
+        b, t, _ = x.shape
+        positions = length + jnp.arange(t)[None, :] - start[:, None]
+        q, k, v = self._qkv(x, positions)
+        write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(
+            cache, new.astype(cache.dtype), length, axis=1
+        )
+        k_cache, v_cache = write(k_cache, k), write(v_cache, v)
+        o = plain.cached_attention(q, k_cache, v_cache, length, start).reshape(b, t, -1)
+        return self.policy.project(o, self.wo[...]), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -90,19 +127,18 @@ class MLP(nnx.Module):
         *,
         policy: Policy,
         norm_eps: float = 1e-5,
+        norm: str = "rms",
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.policy, self.norm_eps = policy, norm_eps
-        self.norm = _ones(dim, param_dtype)
+        self.policy, self.norm_eps, self.norm_kind = policy, norm_eps, norm
+        self.norm = _norm_weight(norm, dim, param_dtype)
         self.w_gate = _dense(rngs, dim, ffn_dim, ("embed", "mlp"), param_dtype)
         self.w_up = _dense(rngs, dim, ffn_dim, ("embed", "mlp"), param_dtype)
         self.w_down = _dense(rngs, ffn_dim, dim, ("mlp", "embed"), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.policy.norm_project(
-            x, self.norm[...], (self.w_gate[...], self.w_up[...]), self.norm_eps
-        )
+        gate, up = _norm_project(self, x, (self.w_gate, self.w_up))
         return self.policy.swiglu_project(gate, up, self.w_down[...])
 
 
@@ -120,6 +156,8 @@ class Block(nnx.Module):
         rope_theta: float = 10000.0,
         rope_scaling: plain.RopeScaling | None = None,
         norm_eps: float = 1e-5,
+        norm: str = "rms",
+        clip_qkv: float | None = None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -131,13 +169,28 @@ class Block(nnx.Module):
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             norm_eps=norm_eps,
+            norm=norm,
+            clip_qkv=clip_qkv,
             param_dtype=param_dtype,
             rngs=rngs,
         )
         self.mlp = MLP(
-            dim, ffn_dim, policy=policy, norm_eps=norm_eps, param_dtype=param_dtype, rngs=rngs
+            dim,
+            ffn_dim,
+            policy=policy,
+            norm_eps=norm_eps,
+            norm=norm,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attention(x, positions)
         return x + self.mlp(x)
+
+    def decode(self, x, k_cache, v_cache, length, start):
+        """:meth:`__call__` for tokens in cache slots ``length ..`` (:meth:`Attention.decode`):
+        ``(x, k_cache, v_cache)``."""
+        branch, k_cache, v_cache = self.attention.decode(x, k_cache, v_cache, length, start)
+        x = x + branch
+        return x + self.mlp(x), k_cache, v_cache

@@ -3,7 +3,9 @@
 A policy answers three questions for a Llama block, so that one model code path serves every
 recipe and layers never branch on recipe names:
 
-* ``norm_project(x, norm_scale, kernels, eps)``: ``rmsnorm(x) @ W_i`` for each kernel,
+* ``norm_project(x, norm_scale, kernels, eps, kind)``: ``norm(x) @ W_i`` for each kernel, the
+  norm being RMSNorm (``kind="rms"``) or OLMo's weightless LayerNorm (``"layer"``,
+  ``norm_scale=None``; :func:`coat_jax.ops.plain.norm`),
 * ``project(x, kernel)``: ``x @ W``,
 * ``swiglu_project(gate, up, kernel)``: ``(silu(gate) * up) @ W``,
 
@@ -54,8 +56,8 @@ class Policy:
     name: str = "bf16"
     recipe: Fp8Recipe = Fp8Recipe()
 
-    def norm_project(self, x, norm_scale, kernels, eps):
-        y = plain.rmsnorm(x, norm_scale, eps)
+    def norm_project(self, x, norm_scale, kernels, eps, kind="rms"):
+        y = plain.norm(x, norm_scale, eps, kind)
         return tuple(_bf16_dot(y, w) for w in kernels)
 
     def project(self, x, kernel):
@@ -79,8 +81,9 @@ class Fp8LinearPolicy(Policy):
 
     name: str = "fp8_linear"
 
-    def norm_project(self, x, norm_scale, kernels, eps):
-        return flow.fp8_project(plain.rmsnorm(x, norm_scale, eps), tuple(kernels), self.recipe)
+    def norm_project(self, x, norm_scale, kernels, eps, kind="rms"):
+        y = plain.norm(x, norm_scale, eps, kind)
+        return flow.fp8_project(y, tuple(kernels), self.recipe)
 
     def project(self, x, kernel):
         return flow.fp8_project(x, (kernel,), self.recipe)[0]
@@ -99,8 +102,8 @@ class CoatPolicy(Fp8LinearPolicy):
 
     name: str = "coat"
 
-    def norm_project(self, x, norm_scale, kernels, eps):
-        return flow.fp8_norm_project(x, norm_scale, tuple(kernels), eps, self.recipe)
+    def norm_project(self, x, norm_scale, kernels, eps, kind="rms"):
+        return flow.fp8_norm_project(x, norm_scale, tuple(kernels), eps, self.recipe, kind)
 
     def swiglu_project(self, gate, up, kernel):
         return flow.fp8_swiglu_project(gate, up, kernel, self.recipe)

@@ -16,7 +16,8 @@ Ops, with what each saves for backward (``T`` tokens, ``h`` hidden, ``f`` MLP wi
 =========================  =================================================================
 ``fp8_project``            ``x @ W_i`` for several ``W_i``; saves ``x`` FP8 per tensor (T h
                            bytes) and the FP8 weights. The TransformerEngine-like linear.
-``fp8_norm_project``       ``rmsnorm(x) @ W_i``; saves ``x`` FP8 1x16 (1.25 T h bytes) and the
+``fp8_norm_project``       ``norm(x) @ W_i`` (RMSNorm, or OLMo's weightless LayerNorm); saves
+                           ``x`` FP8 1x16 (1.25 T h bytes), the norm weight (if any) and the
                            normed input's scale; the GEMM operand is recomputed in backward.
 ``fp8_swiglu_project``     ``(silu(g) * u) @ W``; saves ``g``, ``u`` FP8 1x16 and one scale; the
                            GEMM operand is recomputed in backward.
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 
 from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
-from coat_jax.ops.plain import rmsnorm_fp32, swiglu_fp32
+from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul
 
 __all__ = ["fp8_gemm", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
@@ -168,48 +169,51 @@ def _save_groups(x, recipe: Fp8Recipe):
 
 def fp8_norm_project(
     x: jax.Array,
-    norm_scale: jax.Array,
+    norm_scale: jax.Array | None,
     kernels: tuple[jax.Array, ...],
     eps: float = 1e-6,
     recipe: Fp8Recipe = COAT,
+    kind: str = "rms",
 ) -> tuple[jax.Array, ...]:
-    """``(rmsnorm(x) @ W_1, ...)`` with ``x`` saved as FP8 groups; outputs in ``x.dtype``.
+    """``(norm(x) @ W_1, ...)`` with ``x`` saved as FP8 groups; outputs in ``x.dtype``.
 
     Args:
       x: residual stream ``(..., h)``; ``h`` must be a multiple of ``recipe.saved_group``.
-      norm_scale: RMSNorm weight ``(h,)``.
+      norm_scale: RMSNorm weight ``(h,)``; ``None`` for ``kind="layer"``.
       kernels: projection weights ``(h, N_i)``.
-      eps: RMSNorm epsilon.
+      eps: the norm's epsilon.
       recipe: the FP8 recipe.
+      kind: ``"rms"`` or ``"layer"`` (:func:`coat_jax.ops.plain.norm_fp32`).
     """
     _check_project(x, kernels)
     _check_groups(x, "fp8_norm_project: x", recipe)
-    return _fp8_norm_project(eps, _dtypes(kernels), recipe, x, norm_scale, tuple(kernels))
+    return _fp8_norm_project(eps, kind, _dtypes(kernels), recipe, x, norm_scale, tuple(kernels))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_norm_project(eps, w_dtypes, recipe, x, norm_scale, kernels):
-    return _fp8_norm_project_fwd(eps, w_dtypes, recipe, x, norm_scale, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_norm_project(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
+    return _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels)[0]
 
 
-def _fp8_norm_project_fwd(eps, w_dtypes, recipe, x, norm_scale, kernels):
+def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     del w_dtypes
     xg = _save_groups(x, recipe)
-    y = rmsnorm_fp32(dequantize(xg, x.dtype), norm_scale, eps).astype(x.dtype)
+    y = norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
     yq = quantize(y, recipe.forward)
     outs, wqs = _project_forward(yq, kernels, x.dtype, recipe)
     return outs, (xg, norm_scale, yq.amax, wqs)
 
 
-def _fp8_norm_project_bwd(eps, w_dtypes, recipe, residuals, douts):
+def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts):
     xg, norm_scale, y_amax, wqs = residuals
     dtype = douts[0].dtype
-    norm = lambda a, s: rmsnorm_fp32(a, s, eps).astype(dtype)
+    norm = lambda a, s: norm_fp32(a, s, eps, kind).astype(dtype)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = quantize(y, recipe.forward, amax=y_amax)
     dy, dws = _project_backward(yq, wqs, douts, w_dtypes, recipe)
     dx, dscale = norm_vjp(dy)
-    return dx.astype(douts[0].dtype), dscale.astype(norm_scale.dtype), dws
+    dscale = None if norm_scale is None else dscale.astype(norm_scale.dtype)
+    return dx.astype(douts[0].dtype), dscale, dws
 
 
 _fp8_norm_project.defvjp(_fp8_norm_project_fwd, _fp8_norm_project_bwd)

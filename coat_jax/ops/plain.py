@@ -1,9 +1,10 @@
-"""Plain differentiable ops of a Llama block, the same in every precision policy: RMSNorm and
-SwiGLU (the BF16 baseline's, saving only their inputs), rotary embeddings (saving only the
-positions) and causal attention (cuDNN flash attention on a GPU, elsewhere a reference that
-saves only ``q, k, v``). Each is a ``jax.custom_vjp`` with forward, backward and ``defvjp`` side
-by side; math in fp32, outputs in the input's dtype. The FP8 ops of :mod:`coat_jax.ops.flow`
-reuse :func:`rmsnorm_fp32` and :func:`swiglu_fp32`.
+"""Plain differentiable ops of a Llama block, the same in every precision policy: the norms
+(RMSNorm, and OLMo's non-parametric LayerNorm) and SwiGLU (the BF16 baseline's, saving only
+their inputs), QKV clipping (saving a mask), rotary embeddings (saving only the positions) and
+causal attention (cuDNN flash attention on a GPU, elsewhere a reference that saves only
+``q, k, v``). Each is a ``jax.custom_vjp`` with forward, backward and ``defvjp`` side by side;
+math in fp32, outputs in the input's dtype. The FP8 ops of :mod:`coat_jax.ops.flow` reuse
+:func:`norm_fp32` and :func:`swiglu_fp32`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import numpy as np
 __all__ = [
     "RopeScaling",
     "attention",
+    "NORMS",
+    "cached_attention",
+    "clip",
+    "layernorm",
+    "layernorm_fp32",
+    "norm",
+    "norm_fp32",
     "rmsnorm",
     "rmsnorm_fp32",
     "rope",
@@ -29,7 +37,11 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# rmsnorm / swiglu references (BF16 baseline; save only their inputs).
+# Norms and swiglu (BF16 baseline; save only their inputs).
+
+NORMS = ("rms", "layer")
+"""Pre-norm kinds: ``"rms"`` (RMSNorm with a weight, Llama) and ``"layer"`` (LayerNorm without
+weight or bias, OLMo v1)."""
 
 
 def rmsnorm_fp32(x, scale, eps):
@@ -68,6 +80,56 @@ def _rmsnorm_bwd(eps, residuals, dy):
 rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
 
 
+def layernorm_fp32(x, eps):
+    """``(x - mean(x)) / sqrt(var(x) + eps)`` over the last axis (biased variance), in fp32:
+    the non-parametric LayerNorm of OLMo (no weight, no bias)."""
+    x = x.astype(jnp.float32)
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def layernorm(x: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """:func:`layernorm_fp32` (fp32 math, ``x.dtype`` out). Saves only ``x`` for backward; the
+    statistics are recomputed."""
+    return layernorm_fp32(x, eps).astype(x.dtype)
+
+
+def _layernorm_fwd(x, eps):
+    return layernorm(x, eps), x
+
+
+def _layernorm_bwd(eps, x, dy):
+    _, vjp = jax.vjp(lambda a: layernorm_fp32(a, eps), x.astype(jnp.float32))
+    (dx,) = vjp(dy.astype(jnp.float32))
+    return (dx.astype(x.dtype),)
+
+
+layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
+
+
+def _check_norm(kind: str, scale) -> None:
+    if kind not in NORMS:
+        raise ValueError(f"norm kind {kind!r}: expected one of {NORMS}")
+    if (scale is None) != (kind == "layer"):
+        need = "no weight (scale=None)" if kind == "layer" else "a weight"
+        raise ValueError(f"norm kind {kind!r} takes {need}")
+
+
+def norm_fp32(x, scale, eps, kind: str = "rms"):
+    """The pre-norm ``kind`` in fp32: :func:`rmsnorm_fp32` with weight ``scale`` (``"rms"``) or
+    :func:`layernorm_fp32` (``"layer"``; ``scale`` is ``None``)."""
+    _check_norm(kind, scale)
+    return rmsnorm_fp32(x, scale, eps) if kind == "rms" else layernorm_fp32(x, eps)
+
+
+def norm(x: jax.Array, scale: jax.Array | None, eps: float, kind: str = "rms") -> jax.Array:
+    """:func:`rmsnorm` (``"rms"``) or :func:`layernorm` (``"layer"``, ``scale`` ``None``): the
+    differentiable :func:`norm_fp32`, saving only its input (and weight)."""
+    _check_norm(kind, scale)
+    return rmsnorm(x, scale, eps) if kind == "rms" else layernorm(x, eps)
+
+
 @jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``silu(gate) * up`` (fp32 math, ``gate.dtype`` out); saves only ``gate`` and ``up``."""
@@ -86,6 +148,26 @@ def _swiglu_bwd(residuals, dy):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def clip(x: jax.Array, limit: float) -> jax.Array:
+    """``x`` clamped to ``[-limit, limit]`` (OLMo's ``clip_qkv``). Saves a bool mask (1 byte an
+    element) instead of ``x``; the gradient passes where ``-limit <= x <= limit``, as torch's
+    ``clamp``'s does."""
+    return jnp.clip(x, -limit, limit)
+
+
+def _clip_fwd(x, limit):
+    return clip(x, limit), jnp.abs(x) <= limit
+
+
+def _clip_bwd(limit, inside, dy):
+    del limit
+    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
+
+
+clip.defvjp(_clip_fwd, _clip_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +261,13 @@ rope.defvjp(_rope_fwd, _rope_bwd)
 # Attention core (BF16 in every policy).
 
 
+def attention_implementation(dtype) -> str:
+    """What :func:`attention` runs for inputs of ``dtype`` by default: ``"cudnn"`` on a GPU
+    with bf16/fp16, else ``"reference"``."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "reference"
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None):
     """Causal attention, ``q (B, T, H, D)``, ``k, v (B, T, Hkv, D)`` with ``H % Hkv == 0``.
 
@@ -189,8 +278,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(f"attention: {q.shape[-2]} query heads not a multiple of {k.shape[-2]}")
     if implementation is None:
-        on_gpu = jax.default_backend() == "gpu"
-        implementation = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
+        implementation = attention_implementation(q.dtype)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if implementation not in (None, "reference"):
@@ -229,3 +317,30 @@ def _attention_reference_bwd(residuals, do):
 
 
 _attention_reference.defvjp(_attention_reference_fwd, _attention_reference_bwd)
+
+
+def cached_attention(q, k_cache, v_cache, length, start):
+    """Attention of new queries over a key/value cache (inference; no gradient).
+
+    ``q (B, T, H, D)`` holds the queries of cache slots ``length .. length + T - 1``, whose keys
+    and values are already written into ``k_cache, v_cache (B, S, Hkv, D)``. The query in slot
+    ``i`` of row ``b`` sees the keys of slots ``j`` with ``start[b] <= j <= i``: ``start`` is
+    each row's left padding (prompts of different lengths end in the same slot). Math in fp32,
+    as :func:`attention`'s reference; returns ``q``'s dtype.
+    """
+    b, t, h, d = q.shape
+    hkv = k_cache.shape[-2]
+    if h % hkv:
+        raise ValueError(f"cached_attention: {h} query heads not a multiple of {hkv}")
+    qg = q.reshape(b, t, hkv, h // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache.astype(jnp.float32)) / math.sqrt(d)
+    query_slot = length + jnp.arange(t)  # (T,)
+    key_slot = jnp.arange(k_cache.shape[1])  # (S,)
+    visible = (key_slot[None, None, :] <= query_slot[None, :, None]) & (
+        key_slot[None, None, :] >= start[:, None, None]
+    )  # (B, T, S)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # a padding query sees no key: its output is unused
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v_cache.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype)

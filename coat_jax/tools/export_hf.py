@@ -1,4 +1,5 @@
-"""Export a coat-jax run as a Hugging Face Llama folder (safetensors + config.json).
+"""Export a coat-jax run as a Hugging Face Llama or OLMo folder (safetensors + config.json;
+``LlamaForCausalLM``, or ``OlmoForCausalLM`` for a model with ``norm="layer"``).
 
 Reads the run's ``config.json`` and the params of its latest (or ``--step``) checkpoint and
 writes them with :func:`coat_jax.models.hf_llama.save_pretrained`. When the run started from a
