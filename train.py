@@ -32,6 +32,7 @@ from ml_collections import config_flags
 from coat_jax.core import measure
 from coat_jax.training import allocator, configs, data, finetune, metrics, parallel, planner
 from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, StateLayoutError
+from coat_jax.training.generate import eval_sampler
 from coat_jax.training.preemption import StopRequest
 from coat_jax.training.run import assemble
 from coat_jax.training.step import NonFiniteSteps, NonFiniteStepsError, global_batch
@@ -105,6 +106,7 @@ def main(argv, allocator_set: dict) -> None:
         if config.compile_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
         run = assemble(config)
+        samples = eval_sampler(run)  # None unless config.eval_samples
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"train.py: {e}")
     corpus = None
@@ -114,9 +116,10 @@ def main(argv, allocator_set: dict) -> None:
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"train.py: config.data: {e}")
     os.makedirs(config.workdir, exist_ok=True)
-    log(f"Llama {run.model.num_params() / 1e6:.2f}M params, precision={config.precision}, "
-        f"optimizer={config.optimizer.name}, {jax.device_count()} devices "
-        f"({jax.process_count()} processes), mesh {dict(run.placement.mesh.shape)}")  # fmt: skip
+    log(f"{run.model.family} {run.model.num_params() / 1e6:.2f}M params, "
+        f"precision={config.precision}, optimizer={config.optimizer.name}, "
+        f"{jax.device_count()} devices ({jax.process_count()} processes), "
+        f"mesh {dict(run.placement.mesh.shape)}")  # fmt: skip
     if run.fused_update:
         log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
     with jax.set_mesh(run.placement.mesh):
@@ -133,7 +136,7 @@ def main(argv, allocator_set: dict) -> None:
                 sys.exit(f"train.py: config.batch_size=-1: no batch fits; {largest.describe()}")
             log(largest.describe())
             config.batch_size = largest.batch_size
-        train(run, ckpt, start, data.make_sampler(config, run.tokenizer, corpus))
+        train(run, ckpt, start, data.make_sampler(config, run.tokenizer, corpus), samples)
 
 
 def saved_config(ckpt, step: int, workdir: str) -> dict | None:
@@ -236,9 +239,10 @@ def stops_cleanly(ckpt):
         sys.exit(f"train.py: {e}")
 
 
-def train(run, ckpt, latest, sampler) -> None:
+def train(run, ckpt, latest, sampler, samples=None) -> None:
     """The training loop: from ``latest`` (a checkpoint step, or ``None``) to
-    ``config.steps``, stopping early with a checkpoint on SIGTERM / SIGINT."""
+    ``config.steps``, stopping early with a checkpoint on SIGTERM / SIGINT; at each eval it
+    prints the texts ``samples(params, step)`` makes (``eval_sampler``), if given."""
     config, placement = run.config, run.placement
     writer = metrics.MetricsWriter(config.workdir)
     params, opt_state, start_step = restore(run, ckpt, latest, writer)
@@ -287,8 +291,10 @@ def train(run, ckpt, latest, sampler) -> None:
                 peak = measure.device_memory().peak  # the fullest local device's
                 if peak is not None:
                     record["peak_mem_gb"] = peak / 1e9
+                texts = []
                 if done % config.eval_interval == 0 or done == config.steps:
                     record["eval_loss"] = evaluate(run, params, sampler)
+                    texts = samples(params, done) if samples else []
                 if is_main():
                     writer.write(record)
                 line = " ".join(
@@ -301,6 +307,8 @@ def train(run, ckpt, latest, sampler) -> None:
                     bar.write(line)
                 else:
                     log(line)
+                for i, text in enumerate(texts, 1):
+                    (bar.write if bar else log)(f"sample {i}/{len(texts)}: {text!r}")
                 window_start, window_steps = time.perf_counter(), 0
             if bar:
                 bar.update(1)

@@ -23,6 +23,7 @@ LAYERS = (  # (path prefix relative to the repository, layer), most specific fir
     ("coat_jax/models/", 3),
     ("coat_jax/training/", 4),
     ("coat_jax/tools/", 5),
+    ("coat_jax/generate.py", 5),  # ``python -m coat_jax.generate``: coat_jax.tools.generate
     ("coat_jax/__init__.py", 0),  # imports nothing; its public names load on first use
     ("train.py", 5),
     ("bench/", 5),

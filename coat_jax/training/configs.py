@@ -110,6 +110,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.log_interval = 25
     c.eval_interval = 100
     c.eval_batches = 4
+    # At each eval, print eval_samples texts (0 = off): sample_prompt continued by sample_tokens
+    # tokens drawn at sample_temperature (0 = greedy) (coat_jax.training.generate)
+    c.eval_samples = 0
+    c.sample_prompt = "def "
+    c.sample_tokens = 64
+    c.sample_temperature = 0.8
     c.checkpoint_interval = 100  # also saved at the last step; 0 = never save
     c.keep_checkpoints = 3
     c.resume = False
@@ -134,7 +140,9 @@ STATE_KEYS = ("model.", "optimizer.name", "optimizer.mu_format", "optimizer.nu_f
 # Keys that steer a run but not what it computes: never reported on resume.
 RUN_CONTROL_KEYS = ("resume", "resume_step", "workdir", "progress", "log_interval", "eval_interval",
                     "eval_batches", "checkpoint_interval", "keep_checkpoints", "compile_cache_dir",
-                    "memory_limit_gb", "peak_tflops", "init_from", "skip_nonfinite")  # fmt: skip
+                    "memory_limit_gb", "peak_tflops", "init_from", "skip_nonfinite",
+                    "eval_samples", "sample_prompt", "sample_tokens",
+                    "sample_temperature")  # fmt: skip
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -247,6 +255,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _positive_int(c, key)
     if c.batch_size != -1:
         _positive_int(c, "batch_size")
+    es = c.eval_samples
+    if isinstance(es, bool) or not isinstance(es, int) or es < 0:
+        raise ValueError(f"config.eval_samples must be an int >= 0 (0 = off), got {es!r}")
+    if es:
+        _positive_int(c, "sample_tokens")
+        st = c.sample_temperature
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 <= st < float("inf"):
+            raise ValueError(f"config.sample_temperature must be >= 0 (0 = greedy), got {st!r}")
+        if not isinstance(c.sample_prompt, str) or not c.sample_prompt:
+            raise ValueError(f"config.sample_prompt must be a non-empty string, got "
+                             f"{c.sample_prompt!r}")  # fmt: skip
     if not isinstance(c.memory_limit_gb, (int, float)) or c.memory_limit_gb < 0:
         raise ValueError(f"config.memory_limit_gb must be >= 0 (0 = the allocator's limit), "
                          f"got {c.memory_limit_gb!r}")  # fmt: skip
