@@ -45,6 +45,7 @@ __all__ = [
     "group_layout",
     "param_layout",
     "quantize",
+    "scales_shape",
     "to_groups",
 ]
 
@@ -109,6 +110,15 @@ def group_layout(last_dim: int, group_size: int) -> tuple[int, int]:
         return 0, 1
     n_groups = -(-last_dim // group_size)
     return n_groups, -(-last_dim // n_groups)
+
+
+def scales_shape(shape, group_size: int) -> tuple[int, ...]:
+    """Shape of the per-group ``amax`` / ``k`` of an array of ``shape`` grouped along its last
+    axis: ``(*shape[:-1], n_groups)``; ``()`` for a 0-d shape."""
+    shape = tuple(shape)
+    if not shape:
+        return ()
+    return (*shape[:-1], group_layout(shape[-1], group_size)[0])
 
 
 def to_groups(x: jax.Array, group_size: int) -> jax.Array:
@@ -188,9 +198,9 @@ def zeros(shape, fmt: str | Fp8Format, group_size: int, expand: bool = False) ->
     (folding those made a jitted optimizer init of a 7B model take minutes to compile)."""
     fmt = get_format(fmt)
     group_size = _check_group_size(group_size)
-    n_groups, size = group_layout(shape[-1], group_size)
+    size = group_layout(shape[-1], group_size)[1]
     codes, amax, k = encode(jnp.zeros((size,), jnp.float32), fmt, expand)
-    lead = (*shape[:-1], n_groups)
+    lead = scales_shape(shape, group_size)
     fill = lambda v: jnp.broadcast_to(v, lead)
     return QuantizedArray(
         jnp.zeros((*lead, size), codes.dtype), fill(amax), None if k is None else fill(k), shape[-1]

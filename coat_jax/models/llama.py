@@ -240,7 +240,14 @@ class Llama(nnx.Module):
             raise ValueError(
                 f"Llama.decode expects int tokens (batch, seq), got {tokens.dtype}{tokens.shape}"
             )
-        return _decode(self, tokens, cache, compute_dtype)
+        x = self.embed[...].astype(compute_dtype)[tokens]
+        ks, vs = [], []
+        for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
+            x, k, v = block.decode(x, k, v, cache.length, cache.start)
+            ks.append(k)
+            vs.append(v)
+        length = cache.length + tokens.shape[1]
+        return self._head(x, compute_dtype), KVCache(tuple(ks), tuple(vs), length, cache.start)
 
 
 class KVCache(NamedTuple):
@@ -266,19 +273,6 @@ def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
     start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     return KVCache(zeros, zeros, jnp.zeros((), jnp.int32), start)
-
-
-def _decode(model: Llama, tokens: jax.Array, cache: KVCache, compute_dtype) -> tuple:
-    table = model.embed[...].astype(compute_dtype)
-    x = table[tokens]
-    ks, vs = [], []
-    for block, k, v in zip(model.blocks, cache.k, cache.v, strict=True):
-        x, k, v = block.decode(x, k, v, cache.length, cache.start)
-        ks.append(k)
-        vs.append(v)
-    logits = model._head(x, compute_dtype)
-    length = cache.length + tokens.shape[1]
-    return logits, KVCache(tuple(ks), tuple(vs), length, cache.start)
 
 
 def loss_fn(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:

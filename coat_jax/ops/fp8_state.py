@@ -92,10 +92,7 @@ def _decode(codes, amax, k, second_moment: bool) -> jax.Array:
 
 def _placeholder(leaf, group_size: int, dtype) -> jax.Array:
     """Zeros shaped like the group scales of ``leaf`` (``()`` for 0-d and non-array leaves)."""
-    shape = tuple(getattr(leaf, "shape", ()))
-    if not shape:
-        return jnp.zeros((), dtype)
-    return jnp.zeros((*shape[:-1], quant.group_layout(shape[-1], group_size)[0]), dtype)
+    return jnp.zeros(quant.scales_shape(getattr(leaf, "shape", ()), group_size), dtype)
 
 
 def fp8_state(

@@ -127,9 +127,7 @@ def scale_by_fp8_adam(
             return jnp.zeros(p.shape, jnp.float32)
 
         def scales(p, dtype):  # per group; unused zeros where the moment stays fp32
-            if not p.ndim:
-                return jnp.zeros((), dtype)
-            return jnp.zeros((*p.shape[:-1], quant.group_layout(p.shape[-1], group_size)[0]), dtype)
+            return jnp.zeros(quant.scales_shape(p.shape, group_size), dtype)
 
         tree = lambda f, *a: jax.tree.map(lambda p: f(p, *a), params)
         k = (lambda: tree(scales, jnp.uint8)) if expansion else (lambda: None)

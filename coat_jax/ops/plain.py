@@ -286,13 +286,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
     return _attention_reference(q, k, v)
 
 
-def _attention_scores(q, k):
+def _masked_attention(q, k, v, visible):
+    """GQA attention in fp32 of ``q (B, Tq, H, D)`` over ``k, v (B, Tk, Hkv, D)`` where
+    ``visible`` (broadcast against ``(B, 1, 1, Tq, Tk)``) allows; ``q``'s dtype out."""
     b, t, h, d = q.shape
     hkv = k.shape[-2]
     qg = q.reshape(b, t, hkv, h // hkv, d).astype(jnp.float32)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) / math.sqrt(d)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    return jnp.where(causal, s, -jnp.inf)
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype)
 
 
 @jax.custom_vjp
@@ -302,10 +305,8 @@ def _attention_reference(q, k, v):
 
 
 def _attention_math(q, k, v):
-    b, t, h, d = q.shape
-    p = jax.nn.softmax(_attention_scores(q, k), axis=-1)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    t = q.shape[1]
+    return _masked_attention(q, k, v, jnp.tril(jnp.ones((t, t), bool)))
 
 
 def _attention_reference_fwd(q, k, v):
@@ -328,19 +329,14 @@ def cached_attention(q, k_cache, v_cache, length, start):
     each row's left padding (prompts of different lengths end in the same slot). Math in fp32,
     as :func:`attention`'s reference; returns ``q``'s dtype.
     """
-    b, t, h, d = q.shape
+    _, t, h, _ = q.shape
     hkv = k_cache.shape[-2]
     if h % hkv:
         raise ValueError(f"cached_attention: {h} query heads not a multiple of {hkv}")
-    qg = q.reshape(b, t, hkv, h // hkv, d).astype(jnp.float32)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache.astype(jnp.float32)) / math.sqrt(d)
-    query_slot = length + jnp.arange(t)  # (T,)
-    key_slot = jnp.arange(k_cache.shape[1])  # (S,)
-    visible = (key_slot[None, None, :] <= query_slot[None, :, None]) & (
-        key_slot[None, None, :] >= start[:, None, None]
-    )  # (B, T, S)
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(jnp.isnan(p), 0.0, p)  # a padding query sees no key: its output is unused
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v_cache.astype(jnp.float32))
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    query_slot = (length + jnp.arange(t))[None, :, None]  # (1, T, 1)
+    key_slot = jnp.arange(k_cache.shape[1])[None, None, :]  # (1, 1, S)
+    # A padding query (slot before its row's start) sees only itself: its output, never read,
+    # stays finite, so the keys and values it writes into the cache are finite too.
+    own = (key_slot >= start[:, None, None]) | (key_slot == query_slot)
+    visible = (key_slot <= query_slot) & own  # (B, T, S)
+    return _masked_attention(q, k_cache, v_cache, visible[:, None, None])
