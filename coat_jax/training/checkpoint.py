@@ -67,28 +67,35 @@ def _abstract(tree):
 
 
 _READ_ERRORS = ("Encountered error while reading", "Event loop is closed")
-_quieted = False
+_failed_folders: set[str] = set()
 
 
-def _quiet_failed_reads() -> None:
-    """Silences the echoes of a failed restore, once it has been reported in one line: the
-    reads orbax still had in flight fail later, in other threads and at garbage collection,
-    each printing a screenful (the TensorStore spec of every array). Only exceptions whose
-    message starts with :data:`_READ_ERRORS` are dropped; everything else prints as before."""
-    global _quieted
-    if _quieted:
-        return
-    _quieted = True
+def _is_read_echo(error) -> bool:
+    """Whether ``error`` echoes a failed restore: orbax's read error, or any error that names
+    a checkpoint folder whose restore already failed (TensorStore's own, in a future nobody
+    awaited any more)."""
+    text = str(error)
+    return text.startswith(_READ_ERRORS) or any(f in text for f in _failed_folders)
+
+
+def _quiet_failed_reads(folder: str) -> None:
+    """Silences the echoes of a failed restore of ``folder``, once it has been reported in one
+    line: the reads orbax still had in flight fail later, in other threads and at garbage
+    collection, each printing a screenful (the TensorStore spec of every array). Only
+    exceptions :func:`_is_read_echo` recognises are dropped; everything else prints as before."""
+    _failed_folders.add(folder)
+    if len(_failed_folders) > 1:
+        return  # the hooks are in place
     previous = sys.unraisablehook
 
     def unraisable(u):
-        if not str(u.exc_value).startswith(_READ_ERRORS):
+        if not _is_read_echo(u.exc_value):
             previous(u)
 
     class DropReadErrors(logging.Filter):
         def filter(self, record):
             error = record.exc_info[1] if record.exc_info else None
-            return error is None or not str(error).startswith(_READ_ERRORS)
+            return error is None or not _is_read_echo(error)
 
     sys.unraisablehook = unraisable
     logging.getLogger("asyncio").addFilter(DropReadErrors())
@@ -205,7 +212,7 @@ class Checkpointer:
             try:
                 params, opt_state, meta = self.restore(step, params_like, opt_state_like)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
-                _quiet_failed_reads()
+                _quiet_failed_reads(self._step_folder(step))
                 reason = _first_line(e)
             else:
                 if all_finite(params, opt_state):
@@ -216,6 +223,10 @@ class Checkpointer:
             skipped.append((step, reason, moved))
         return None
 
+    def _step_folder(self, step: int) -> str:
+        """``<directory>/<step>/``, with the separator (so step 2 does not name step 20)."""
+        return os.path.join(self.directory, str(step), "")
+
     def check_layout(self, step: int) -> None:
         """Raises :class:`StateLayoutError` if ``step`` holds fp8_adamw state in another layout
         than :data:`coat_jax.core.adam.STATE_LAYOUT` (nothing is moved: the checkpoint is
@@ -224,7 +235,7 @@ class Checkpointer:
         try:
             saved = self.read_meta(step).get("opt_state_layout", 1)
         except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_newest reports it
-            _quiet_failed_reads()
+            _quiet_failed_reads(self._step_folder(step))
             return
         if saved != STATE_LAYOUT:
             raise StateLayoutError(
