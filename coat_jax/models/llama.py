@@ -1,8 +1,8 @@
 """Llama (RoPE, GQA, SwiGLU, RMSNorm, tied or untied head) as a Flax NNX model, and OLMo v1 as
 a configuration of it (``norm="layer"``: LayerNorm without weight or bias; ``clip_qkv``).
 
-The precision policy (``"bf16"``, ``"fp8_linear"``, ``"coat"``) is a config field; embedding,
-final norm, LM head and the loss stay BF16/fp32 in every policy.
+The precision policy (``"fp32"``, ``"bf16"``, ``"fp8_linear"``, ``"coat"``) is a config field;
+embedding, final norm, LM head and the loss stay BF16/fp32 in every policy (fp32 in ``"fp32"``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,12 @@ class LlamaConfig:
       clip_qkv: ``None``, or ``c > 0``: the query, key and value projections are clamped to
         ``[-c, c]`` (OLMo's ``clip_qkv``).
       tie_embeddings: use the embedding matrix as the LM head.
-      precision: ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
+      precision: ``"fp32"`` | ``"bf16"`` | ``"fp8_linear"`` | ``"coat"``.
       fp8: the FP8 recipe of the FP8 precisions (formats, group size, GEMM backend).
+      matmul_precision: ``None`` (the policy's: ``"highest"`` for ``"fp32"``, JAX's default
+        otherwise) or a ``jax.default_matmul_precision`` value the model is traced under, e.g.
+        ``"BF16_BF16_F32_X3"`` for an fp32 reference at a third of BF16's GEMM speed on a GPU
+        (three BF16 passes, about 16 bits of mantissa, against ``"highest"``'s CUDA-core fp32).
     """
 
     vocab_size: int = 32000
@@ -65,6 +69,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     precision: str = "coat"
     fp8: Fp8Recipe = Fp8Recipe()
+    matmul_precision: str | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
@@ -89,6 +94,20 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.clip_qkv must be None or a number > 0, got {c!r}")
         self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
+        if self.matmul_precision is not None:
+            if self.precision not in ("fp32", "bf16"):
+                raise ValueError(
+                    f"LlamaConfig.matmul_precision applies to precision 'fp32' or 'bf16', not "
+                    f"{self.precision!r} (its FP8 dots set their own)"
+                )
+            try:
+                with jax.default_matmul_precision(self.matmul_precision):
+                    pass
+            except (ValueError, TypeError):
+                raise ValueError(
+                    f"LlamaConfig.matmul_precision={self.matmul_precision!r}: not a "
+                    "jax.default_matmul_precision value ('highest', 'BF16_BF16_F32_X3', ...)"
+                ) from None
         if not isinstance(self.fp8, Fp8Recipe):
             raise ValueError(f"LlamaConfig.fp8 must be an Fp8Recipe, got {self.fp8!r}")
         if self.precision == "coat":
@@ -108,8 +127,12 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
     def policy(self):
-        """The precision policy (:mod:`coat_jax.models.policy`) with this config's recipe."""
-        return get_policy(self.precision, self.fp8)
+        """The precision policy (:mod:`coat_jax.models.policy`) with this config's recipe and
+        matmul precision."""
+        policy = get_policy(self.precision, self.fp8)
+        if self.matmul_precision is None:
+            return policy
+        return dataclasses.replace(policy, matmul_precision=self.matmul_precision)
 
     def rope(self) -> plain.RopeScaling | None:
         """The RoPE frequency scaling, ``None`` for plain RoPE."""
@@ -204,11 +227,18 @@ class Llama(nnx.Module):
             head = nnx.Param(w / jnp.sqrt(config.dim), logical_axes=("embed", "vocab"))
         self.lm_head = nnx.data(head)
 
-    def __call__(self, tokens: jax.Array, compute_dtype=jnp.bfloat16) -> jax.Array:
+    def __call__(self, tokens: jax.Array, compute_dtype=None) -> jax.Array:
+        """fp32 logits of ``tokens (B, T)``; activations in ``compute_dtype`` (default: the
+        policy's, BF16 but for ``precision="fp32"``)."""
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
                 f"Llama expects int tokens (batch, seq), got {tokens.dtype}{tokens.shape}"
             )
+        policy = self.config.policy()
+        with policy.precision_scope():
+            return self._forward(tokens, compute_dtype or policy.compute_dtype)
+
+    def _forward(self, tokens: jax.Array, compute_dtype) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         hidden = ("batch", None, None)  # under a mesh: examples split, features whole
         # The table is gathered whole before the lookup, as FSDP gathers any weight before use

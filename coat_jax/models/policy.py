@@ -14,6 +14,8 @@ and says how its train step compiles (:meth:`Policy.compiler_options`).
 ================  ==================================  =========================================
 policy            GEMMs                               saved for backward
 ================  ==================================  =========================================
+``fp32``          fp32 operands and accumulation      fp32 inputs of every op (the reference
+                  (``HIGHEST`` precision: no TF32)    of fidelity runs; everything in fp32)
 ``bf16``          BF16 operands, fp32 accumulation    BF16 inputs of every op
 ``fp8_linear``    FP8 (E4M3 fwd, E5M2 grads)          FP8 GEMM inputs, BF16 norm/SwiGLU inputs
                                                       (TransformerEngine-like)
@@ -22,12 +24,14 @@ policy            GEMMs                               saved for backward
 ================  ==================================  =========================================
 
 The FP8 policies carry an :class:`~coat_jax.core.recipe.Fp8Recipe` (formats, group size, GEMM
-backend; the table shows the default). Embedding, attention core, final norm, LM head and loss
-stay BF16/fp32 in every policy.
+backend, operand scaling; the table shows the default). Embedding, attention core, final norm,
+LM head and loss stay BF16/fp32 in every policy but ``fp32``, which computes everything in fp32
+(:attr:`Policy.compute_dtype`, :attr:`Policy.matmul_precision`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -36,7 +40,15 @@ import jax.numpy as jnp
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import flow, plain
 
-__all__ = ["POLICIES", "Bf16Policy", "CoatPolicy", "Fp8LinearPolicy", "Policy", "get_policy"]
+__all__ = [
+    "POLICIES",
+    "Bf16Policy",
+    "CoatPolicy",
+    "Fp32Policy",
+    "Fp8LinearPolicy",
+    "Policy",
+    "get_policy",
+]
 
 
 def _bf16_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -51,10 +63,22 @@ class Policy:
     Attributes:
       name: the policy's name (``config.precision``).
       recipe: the FP8 recipe; the BF16 policy does not use it.
+      compute_dtype: dtype of the activations between ops (the model casts the embedding
+        output to it).
+      matmul_precision: ``jax.default_matmul_precision`` the model is traced under (``None``:
+        JAX's default, TF32 for fp32 dots on a GPU).
     """
 
     name: str = "bf16"
     recipe: Fp8Recipe = Fp8Recipe()
+    compute_dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+    matmul_precision: str | None = None
+
+    def precision_scope(self):
+        """The context the model's forward (and so its backward) is traced in."""
+        if self.matmul_precision is None:
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
 
     def norm_project(self, x, norm_scale, kernels, eps, kind="rms"):
         y = plain.norm(x, norm_scale, eps, kind)
@@ -73,6 +97,16 @@ class Policy:
 
 
 Bf16Policy = Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp32Policy(Policy):
+    """Everything in fp32 with full-precision dots (``HIGHEST``: no TF32 or BF16 passes on a
+    GPU): the reference fidelity runs measure the other policies against."""
+
+    name: str = "fp32"
+    compute_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    matmul_precision: str | None = "highest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +143,12 @@ class CoatPolicy(Fp8LinearPolicy):
         return flow.fp8_swiglu_project(gate, up, kernel, self.recipe)
 
 
-POLICIES = {p.name: p for p in (Bf16Policy(), Fp8LinearPolicy(), CoatPolicy())}
+POLICIES = {p.name: p for p in (Fp32Policy(), Bf16Policy(), Fp8LinearPolicy(), CoatPolicy())}
 
 
 def get_policy(policy: str | Policy, recipe: Fp8Recipe | None = None) -> Policy:
-    """The policy named ``"bf16"``, ``"fp8_linear"`` or ``"coat"`` (or ``policy`` itself), with
-    ``recipe`` when given."""
+    """The policy named ``"fp32"``, ``"bf16"``, ``"fp8_linear"`` or ``"coat"`` (or ``policy``
+    itself), with ``recipe`` when given."""
     if not isinstance(policy, Policy):
         if policy not in POLICIES:
             raise ValueError(

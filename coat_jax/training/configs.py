@@ -46,6 +46,10 @@ def model_fields(preset: str) -> ml_collections.ConfigDict:
     fields.pop("precision")
     fields.pop("fp8")
     fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
+    # None-valued fields a command line may set need a typed placeholder
+    for name, kind in (("matmul_precision", str), ("clip_qkv", float)):
+        if fields[name] is None:
+            fields[name] = ml_collections.config_dict.placeholder(kind)
     return ml_collections.ConfigDict(fields)
 
 
@@ -53,9 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
     """All keys with their defaults (a tiny model on the embedded corpus)."""
     c = ml_collections.ConfigDict()
     c.model = model_fields("tiny")
-    c.precision = "coat"  # bf16 | fp8_linear | coat
+    c.precision = "coat"  # fp32 | bf16 | fp8_linear | coat
     # The FP8 recipe of the FP8 precisions (coat_jax.core.recipe.Fp8Recipe): formats of GEMM
-    # operands and gradients, the group of saved non-linear inputs, the GEMM backend
+    # operands and gradients, the group of saved non-linear inputs, the scaling of GEMM operands
+    # (tensor | row | block), the GEMM backend
     # (xla | pallas | auto), whether the Pallas GEMM autotunes, Triton GEMMs on a GPU.
     c.fp8 = ml_collections.ConfigDict(dataclasses.asdict(Fp8Recipe()))
     # float32 | bfloat16: the gradients' dtype (coat_jax.training.step.make_train_step; bf16
