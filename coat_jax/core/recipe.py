@@ -8,6 +8,13 @@ field                  default    meaning
 ``grad_format``        ``e5m2``   FP8 format of output gradients as GEMM operands (per tensor)
 ``saved_format``       ``e4m3``   FP8 format of the inputs non-linear layers save for backward
 ``saved_group``        ``16``     their scaling group along the hidden axis (COAT's 1x16)
+``scaling``            ``tensor`` scales of GEMM operands: ``tensor`` (one per tensor), ``row`` (one
+                                  per row of each operand) or ``block`` (1x128 activation and
+                                  gradient tiles, 128x128 weight blocks, fp32 promotion every
+                                  128 of K: DeepSeek-V3); :mod:`coat_jax.ops.scaled_gemm`
+``forward_gemm``       ``fp8``    ``fp8``: forward GEMMs in FP8 as above; ``bf16``: forward GEMMs in
+                                  BF16 and only the backward's (``dx``, ``dW``: two thirds of
+                                  the FLOPs) in FP8; saved activations stay FP8 either way
 ``gemm``               ``xla``    GEMM backend: ``xla`` (FP8 codes into ``dot_general``, XLA's
                                   cuBLASLt FP8 call on Hopper), ``pallas`` (the Mosaic GPU
                                   kernel, Hopper only, one device), ``auto`` (Pallas for the
@@ -31,12 +38,14 @@ import jax
 
 from coat_jax.core.formats import Fp8Format, get_format
 
-__all__ = ["ACT_GROUP", "GEMM_BACKENDS", "Fp8Recipe"]
+__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "SCALINGS", "Fp8Recipe"]
 
 ACT_GROUP = 16
 """COAT's group size for FP8 inputs of non-linear layers (1x16 along the hidden axis)."""
 
 GEMM_BACKENDS = ("xla", "pallas", "auto")
+SCALINGS = ("tensor", "row", "block")
+FORWARD_GEMMS = ("fp8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +58,8 @@ class Fp8Recipe:
     grad_format: str = "e5m2"
     saved_format: str = "e4m3"
     saved_group: int = ACT_GROUP
+    scaling: str = "tensor"
+    forward_gemm: str = "fp8"
     gemm: str = "xla"
     gemm_autotune: bool = True
     triton_gemm: bool = False
@@ -62,6 +73,12 @@ class Fp8Recipe:
         group = self.saved_group
         if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
             raise ValueError(f"Fp8Recipe.saved_group must be a positive int, got {group!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling={self.scaling!r}: expected one of {SCALINGS}")
+        if self.forward_gemm not in FORWARD_GEMMS:
+            raise ValueError(
+                f"Fp8Recipe.forward_gemm={self.forward_gemm!r}: expected one of {FORWARD_GEMMS}"
+            )
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"Fp8Recipe.gemm={self.gemm!r}: expected one of {GEMM_BACKENDS}")
         for name in ("gemm_autotune", "triton_gemm"):

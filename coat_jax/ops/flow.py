@@ -7,7 +7,12 @@ backward reads is explicit. What each op quantizes, and how, is the
 * GEMM operands are quantized **per tensor** just in time (scale from the current ``amax``):
   activations and weights in ``recipe.forward_format`` (E4M3) for the forward, output
   gradients in ``recipe.grad_format`` (E5M2) for the backward; products accumulate in fp32
-  (:func:`fp8_gemm`, the one place the recipe's GEMM backend plugs in).
+  (:func:`fp8_gemm`, the one place the recipe's GEMM backend plugs in). With
+  ``recipe.scaling`` ``"row"`` or ``"block"`` every operand is scaled along its contracted axis
+  instead (:mod:`coat_jax.ops.scaled_gemm`; the weight-gradient GEMM's operands along the
+  tokens), and backward keeps the weights themselves rather than FP8 copies.
+* ``recipe.forward_gemm == "bf16"``: the forward GEMMs run in BF16, the backward's in FP8 as
+  above; what is saved for backward does not change.
 * Inputs of non-linear layers are saved in groups of ``recipe.saved_group`` (1x16) along the
   hidden axis, in ``recipe.saved_format`` (E4M3).
 
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 
 from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.ops import scaled_gemm
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul
 
@@ -89,18 +95,22 @@ def _matrix(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def _project_backward(xq: QuantizedArray, wqs, douts, w_dtypes, recipe: Fp8Recipe):
+def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
     """Shared backward of a projection ``y_i = x @ W_i``: ``(dx, (dW_i, ...))``.
 
-    ``dx`` comes in the output gradients' dtype (summed in fp32 over several kernels), each
-    ``dW_i`` in its kernel's dtype.
+    ``x_saved`` / ``w_saved`` are what :func:`_project_forward` returned for backward (per
+    tensor: FP8 ``x`` and FP8 weights; finer scaling: ``x^T`` as an FP8 operand along the
+    tokens, and the weights themselves). ``dx`` comes in the output gradients' dtype (summed
+    in fp32 over several kernels), each ``dW_i`` in its kernel's dtype.
     """
+    if recipe.scaling != "tensor":
+        return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
     dx_dtype = douts[0].dtype
-    term_dtype = dx_dtype if len(wqs) == 1 else jnp.float32
+    term_dtype = dx_dtype if len(w_saved) == 1 else jnp.float32
     dx = None
     dws = []
-    x2 = QuantizedArray(_matrix(xq.data), xq.amax)
-    for wq, dy, dtype in zip(wqs, douts, w_dtypes, strict=True):
+    x2 = QuantizedArray(_matrix(x_saved.data), x_saved.amax)
+    for wq, dy, dtype in zip(w_saved, douts, w_dtypes, strict=True):
         dyq = quantize(dy, recipe.grad)
         term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
         dx = term if dx is None else dx + term
@@ -109,15 +119,77 @@ def _project_backward(xq: QuantizedArray, wqs, douts, w_dtypes, recipe: Fp8Recip
     return dx.astype(dx_dtype), tuple(dws)
 
 
+def _scaled_backward(xt, kernels, douts, w_dtypes, recipe: Fp8Recipe):
+    """:func:`_project_backward` with row or block scales (:mod:`coat_jax.ops.scaled_gemm`):
+    ``dx = dy @ W^T`` from ``dy`` scaled along ``N`` and ``W (K, N)`` along ``N``;
+    ``dW = x^T dy`` from ``xt`` and ``dy^T`` scaled along the tokens."""
+    operand = functools.partial(scaled_gemm.quantize_operand, scaling=recipe.scaling)
+    dx = None
+    dws = []
+    for w, dy, dtype in zip(kernels, douts, w_dtypes, strict=True):
+        dy2 = _matrix(dy)
+        wq = operand(w, recipe.forward, role="weight")
+        term = scaled_gemm.scaled_matmul(operand(dy2, recipe.grad, role="activation"), wq)
+        dx = term if dx is None else dx + term
+        dyt = operand(dy2.T, recipe.grad, role="activation")
+        dws.append(scaled_gemm.scaled_matmul(xt, dyt, dtype))
+    return dx.reshape(*douts[0].shape[:-1], -1).astype(douts[0].dtype), tuple(dws)
+
+
 def _dtypes(arrays) -> tuple:
     return tuple(jnp.dtype(a.dtype) for a in arrays)
 
 
-def _project_forward(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe):
-    """``(x @ W_i for each kernel, FP8 weights)`` from the FP8 operand ``xq``."""
-    wqs = tuple(quantize(w, recipe.forward) for w in kernels)
-    outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
-    return outs, wqs
+def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
+    """``(x @ W_i for each kernel, (x, weights) as backward reads them)``.
+
+    Per tensor: ``x`` is quantized once and saved with the FP8 weights. Row or block scales:
+    ``x`` and each weight are quantized as GEMM operands, and backward gets ``x^T`` quantized
+    along the tokens (for ``dW``) and the weights themselves (requantized along ``N`` for
+    ``dx``). With ``recipe.forward_gemm == "bf16"`` the products are BF16 GEMMs of ``x`` and
+    the weights, and backward gets the same FP8 operands.
+    """
+    if recipe.forward_gemm == "bf16":
+        outs = tuple(jnp.dot(x, w.astype(x.dtype)).astype(out_dtype) for w in kernels)
+        return outs, _backward_operands(x, kernels, recipe)
+    if recipe.scaling == "tensor":
+        xq = quantize(x, recipe.forward)
+        wqs = tuple(quantize(w, recipe.forward) for w in kernels)
+        outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
+        return outs, (xq, wqs)
+    operand = functools.partial(scaled_gemm.quantize_operand, scaling=recipe.scaling)
+    x2 = _matrix(x)
+    xq = operand(x2, recipe.forward, role="activation")
+    outs = tuple(
+        scaled_gemm.scaled_matmul(xq, operand(w.T, recipe.forward, role="weight"), out_dtype)
+        .reshape(*x.shape[:-1], w.shape[1])
+        for w in kernels
+    )  # fmt: skip
+    return outs, (_wgrad_operand(x, recipe), tuple(kernels))
+
+
+def _backward_operands(x, kernels, recipe: Fp8Recipe):
+    """What backward reads of a projection whose forward ran in BF16: per tensor, FP8 ``x``
+    and FP8 weights; finer scaling, ``x^T`` along the tokens and the weights."""
+    if recipe.scaling == "tensor":
+        return quantize(x, recipe.forward), tuple(quantize(w, recipe.forward) for w in kernels)
+    return _wgrad_operand(x, recipe), tuple(kernels)
+
+
+def _wgrad_operand(x, recipe: Fp8Recipe):
+    """``x^T (K, tokens)`` as the weight-gradient GEMM's FP8 operand (finer scaling only)."""
+    return scaled_gemm.quantize_operand(
+        _matrix(x).T, recipe.forward, scaling=recipe.scaling, role="activation"
+    )
+
+
+def _backward_x(y, y_amax, recipe: Fp8Recipe):
+    """What :func:`_project_backward` reads of a GEMM input ``y`` recomputed in backward: per
+    tensor ``y`` quantized with the forward's ``amax`` (measured afresh after a BF16 forward),
+    else its weight-gradient operand."""
+    if recipe.scaling == "tensor":
+        return quantize(y, recipe.forward, amax=y_amax)
+    return _wgrad_operand(y, recipe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,14 +217,12 @@ def _fp8_project(w_dtypes, recipe, x, kernels):
 
 def _fp8_project_fwd(w_dtypes, recipe, x, kernels):
     del w_dtypes
-    xq = quantize(x, recipe.forward)
-    outs, wqs = _project_forward(xq, kernels, x.dtype, recipe)
-    return outs, (xq, wqs)
+    return _project_forward(x, kernels, x.dtype, recipe)
 
 
 def _fp8_project_bwd(w_dtypes, recipe, residuals, douts):
-    xq, wqs = residuals
-    dx, dws = _project_backward(xq, wqs, douts, w_dtypes, recipe)
+    x_saved, w_saved = residuals
+    dx, dws = _project_backward(x_saved, w_saved, douts, w_dtypes, recipe)
     return dx.astype(douts[0].dtype), dws
 
 
@@ -199,18 +269,17 @@ def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     del w_dtypes
     xg = _save_groups(x, recipe)
     y = norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
-    yq = quantize(y, recipe.forward)
-    outs, wqs = _project_forward(yq, kernels, x.dtype, recipe)
-    return outs, (xg, norm_scale, yq.amax, wqs)
+    outs, (yq, w_saved) = _project_forward(y, kernels, x.dtype, recipe)
+    return outs, (xg, norm_scale, _amax(yq), w_saved)
 
 
 def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts):
-    xg, norm_scale, y_amax, wqs = residuals
+    xg, norm_scale, y_amax, w_saved = residuals
     dtype = douts[0].dtype
     norm = lambda a, s: norm_fp32(a, s, eps, kind).astype(dtype)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
-    yq = quantize(y, recipe.forward, amax=y_amax)
-    dy, dws = _project_backward(yq, wqs, douts, w_dtypes, recipe)
+    yq = _backward_x(y, y_amax, recipe)
+    dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe)
     dx, dscale = norm_vjp(dy)
     dscale = None if norm_scale is None else dscale.astype(norm_scale.dtype)
     return dx.astype(douts[0].dtype), dscale, dws
@@ -246,18 +315,17 @@ def _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel):
     gq, uq = _save_groups(gate, recipe), _save_groups(up, recipe)
     dtype = gate.dtype
     h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
-    hq = quantize(h, recipe.forward)
-    (out,), (wq,) = _project_forward(hq, (kernel,), dtype, recipe)
-    return out, (gq, uq, hq.amax, wq)
+    (out,), (hq, w_saved) = _project_forward(h, (kernel,), dtype, recipe)
+    return out, (gq, uq, _amax(hq), w_saved)
 
 
 def _fp8_swiglu_project_bwd(w_dtype, recipe, residuals, dout):
-    gq, uq, h_amax, wq = residuals
+    gq, uq, h_amax, w_saved = residuals
     dtype = dout.dtype
     swiglu = lambda g, u: swiglu_fp32(g, u).astype(dtype)
     h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
-    hq = quantize(h, recipe.forward, amax=h_amax)
-    dh, (dw,) = _project_backward(hq, (wq,), (dout,), (w_dtype,), recipe)
+    hq = _backward_x(h, h_amax, recipe)
+    dh, (dw,) = _project_backward(hq, w_saved, (dout,), (w_dtype,), recipe)
     dgate, dup = swiglu_vjp(dh)
     return dgate.astype(dout.dtype), dup.astype(dout.dtype), dw
 
@@ -267,6 +335,12 @@ _fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
 
 # --------------------------------------------------------------------------------------------
 # Input checks (shapes are static: these run at trace time, before any work).
+
+
+def _amax(x_saved):
+    """The per-tensor ``amax`` the COAT ops save to requantize their recomputed GEMM input
+    exactly; ``None`` with finer scaling (backward quantizes it along the tokens afresh)."""
+    return None if x_saved.per_group else x_saved.amax
 
 
 def _check_project(x, kernels):
