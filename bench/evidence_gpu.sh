@@ -17,6 +17,7 @@ E2E=(bench/e2e.py --model llama2_7b --time_budget_s "${E2E_BUDGET:-420}"
      --policies "${POLICIES:-bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads}"
      --json "$OUT/e2e_llama2_7b_h200_$DAY.json")
 FID=(bench/fidelity.py --chunk_steps 2000 --time_budget_s 480
+     --baseline bf16+adamw
      --runs "bf16+adamw;coat+fp8_adamw;coat+fp8_adamw, no expansion;coat+fp8_adamw, bf16 gradients"
      --json "$OUT/fidelity_llama_114m_h200_$DAY.json"
      --png "$OUT/fidelity_llama_114m_h200_$DAY.png")

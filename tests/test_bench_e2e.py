@@ -1,5 +1,6 @@
-"""CPU smoke tests of the end-to-end benches (bench/e2e.py, bench/fidelity.py): tiny shapes,
-real subprocesses, the JSON they write. The planner's own search is tests/test_planner.py's."""
+"""CPU smoke tests of the end-to-end bench (bench/e2e.py): tiny shapes, real subprocesses, the
+JSON it writes. The planner's own search is tests/test_planner.py's; bench/fidelity.py's tests
+are tests/test_bench_fidelity.py."""
 
 import json
 import math
@@ -192,53 +193,3 @@ def test_policy_names_and_flags_make_the_config():
     )
     with pytest.raises(ValueError, match="third part"):
         e2e.bench_config(args, "coat+fp8_adamw+fp16")
-
-
-@pytest.mark.slow
-def test_fidelity_trains_the_runs_not_done_and_reports_gaps(tmp_path):
-    work = tmp_path / "runs"
-    args = ["--config", str(ROOT / "configs" / "llama_tiny.py"), "--steps", "2",
-            "--chunk_steps", "2", "--set", "optimizer.warmup_steps=1", "--set", "log_interval=1",
-            "--set", "seq_len=32", "--set", "batch_size=4", "--set", "eval_batches=1",
-            "--runs", "bf16+adamw;coat+fp8_adamw", "--workdir", str(work),
-            "--cache_dir", str(tmp_path / "cache"),
-            "--json", str(tmp_path / "fidelity.json")]  # fmt: skip
-    # The COAT run is at its last step already (an earlier invocation's): it is not run again.
-    (work / "coat_fp8_adamw").mkdir(parents=True)
-    records = [{"step": 1, "train_loss": 5.9}, {"step": 2, "train_loss": 5.8, "eval_loss": 5.7,
-                                                 "tokens_per_s": 1e3}]  # fmt: skip
-    (work / "coat_fp8_adamw" / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
-    out = run("fidelity.py", *args, env=FAST)
-    assert "estimated time left" in out and "== bf16+adamw: steps 0 -> 2" in out
-    assert "== coat" not in out
-    report = json.loads((tmp_path / "fidelity.json").read_text())
-    assert report["status"] == "complete" and report["config"]["steps"] == 2
-    bf16 = report["runs"]["bf16+adamw"]
-    assert bf16["steps"] == 2 and report["runs"]["coat+fp8_adamw"]["final_eval_loss"] == 5.7
-    assert finite(bf16["final_train_loss"]) and finite(bf16["final_eval_loss"])
-    gap = report["gaps_vs_bf16"]["coat+fp8_adamw"]
-    assert gap["gap_train_loss"] == pytest.approx(5.8 / bf16["final_train_loss"] - 1)
-    assert gap["within_target_eval_loss"] == (abs(5.7 / bf16["final_eval_loss"] - 1) <= 0.003)
-    assert (work / "loss_curves.png").stat().st_size > 10_000
-    assert (tmp_path / "fidelity.md").read_text().count("\n") == 4
-    # A run that failed (train.py stops on a NaN loss) is reported as failed, left out of the
-    # gaps and not retried; --report_only trains nothing.
-    error = "FloatingPointError: loss is nan at step 2; stopping"
-    (work / "coat_fp8_adamw" / "failed.json").write_text(
-        json.dumps({"exit": 1, "error": error, "command": "train.py ..."})
-    )
-    out = run("fidelity.py", *args, "--report_only", "--device", "test device")
-    report = json.loads((tmp_path / "fidelity.json").read_text())
-    assert "==" not in out and report["device"] == "test device"
-    assert report["status"] == "complete; failed: coat+fp8_adamw"
-    assert report["runs"]["coat+fp8_adamw"]["failed"]["error"] == error
-    assert report["gaps_vs_bf16"] == {}
-    assert f"failed: {error}" in (tmp_path / "fidelity.md").read_text()
-
-
-@pytest.mark.parametrize("runs", ["bf16+adamw;nope", "coat+fp8_adamw, bf16 gradients"])
-def test_fidelity_runs_are_checked_before_anything_trains(runs, tmp_path):
-    """--runs: names from fidelity.RUNS, the bf16 baseline among them; else a one-line error."""
-    out = run("fidelity.py", "--runs", runs, "--workdir", str(tmp_path), check=False)
-    assert out.returncode != 0 and "fidelity.py: --runs" in out.stderr
-    assert not any(tmp_path.iterdir())
