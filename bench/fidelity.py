@@ -31,8 +31,9 @@ FP8 runs use the tensor cores: 63 s at MFU 0.2 of 989 TFLOP/s (262k tokens/s; me
 H200: bf16 464k, COAT 367k tokens/s), 82 s at the assumed 200k tokens/s. fp32 at ``HIGHEST``
 precision does not: its GEMMs run on the CUDA cores, 67 TFLOP/s of fp32 on an H200, 15x below
 dense BF16: measured 50k tokens/s, 325 s a run (``bench/recipe_step.py``, 2026-12-01; three
-BF16 passes per dot: 95k, 171 s). The default four runs, one seed: 5.4 + 3 x 1.4 = 10 min, plus ~30-60 s per ``train.py`` invocation (start, corpus,
-compile, checkpoint; 2 chunks x 4 runs), so 15-19 minutes; three seeds 45-57 minutes, i.e.
+BF16 passes per dot: 95k, 171 s). The default four runs, one seed: 5.4 + 3 x 1.4 = 10 min,
+plus ~30-60 s per ``train.py`` invocation (start, corpus, compile, checkpoint; 2 chunks x 4
+runs), so 14-18 minutes; three seeds 42-54 minutes, i.e.
 several calls of the same command under a per-call time limit. The script prints its estimate
 from ``--tokens_per_s`` (an assumption: 200k, fp32+adamw 40k; ``NAME=RATE`` items set one run's)
 before it starts, and again from the tokens/s measured by each finished chunk.
