@@ -7,8 +7,9 @@ seed, each in its own ``--workdir/<run>/seed<k>``, on ``configs/llama_114m.py`` 
 parameters, the standard library's source tree with the byte tokenizer, batch 16 x 512, 2000
 steps; ``--config`` / ``--set`` change it). The baseline is ``fp32+adamw`` (``--baseline``):
 everything in fp32, dots at ``HIGHEST`` precision (no TF32), the reference every other run is
-measured against; ``fp32 (3xBF16 dots)+adamw`` is the same at 2.4x its speed on a GPU (three
-BF16 passes per dot, ``model.matmul_precision=BF16_BF16_F32_X3``). The default runs: fp32+adamw,
+measured against; ``fp32 (3xBF16 dots)+adamw`` is nearly that (~16 bits of mantissa per
+product) at 1.9x its speed on a GPU (three BF16 passes per dot,
+``model.matmul_precision=BF16_BF16_F32_X3``). The default runs: fp32+adamw,
 bf16+adamw, coat+fp8_adamw and the recipe closest to fp32 (README, "Fidelity"): COAT with BF16
 forward GEMMs and FP8 backward GEMMs with row scales and E4M3 gradients.
 
