@@ -139,12 +139,20 @@ def test_state_layout_and_dtypes_are_stable_under_jit(expansion):
     opt = coat_jax.fp8_state(optax.adam(1e-3), min_size=1000, expansion=expansion)
     params = small_params()
     state = opt.init(params)
-    step = jax.jit(opt.update)
+    traces = []
+
+    def update(grads, state, params):
+        traces.append(1)  # runs once per trace: a retrace (recompilation) would add one
+        return opt.update(grads, state, params)
+
+    step = jax.jit(update)
     for i in range(3):
         updates, new_state = step(grads_like(params, i), state, params)
         chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
         state = new_state
-    assert step._cache_size() == 1  # no recompilation on later steps
+    # no recompilation on later steps (counted by traces: jit's C++ fast-path cache size, used
+    # before, read 0 in some pytest-xdist workers of a full run)
+    assert len(traces) == 1
     chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
     adam_state, amax = state.inner_state[0], state.amax[0]
     assert adam_state.count.dtype == jnp.int32 and int(adam_state.count) == 3
