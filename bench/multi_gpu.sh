@@ -12,13 +12,16 @@
 #     --batch 8 --policies bf16+adamw,coat+fp8_adamw --time_budget_s 540 \
 #     --json bench/results/e2e_llama2_7b_8xh200_$(date +%F).json
 #
-# GPUS=2 uses the first two GPUs only. Each policy runs in its own child processes (see e2e.py),
+# Both policies run with bf16 gradients (GRAD_DTYPE, default bfloat16): the FP8 weight-gradient
+# GEMMs then emit bf16 and the reduce-scatters run on bf16 (issue 23); GRAD_DTYPE=float32 gives
+# the 2026-11-30 setting. GPUS=2 uses the first two GPUs only. Each policy runs in its own child processes (see e2e.py),
 # under train.py's allocator unless XLA_PYTHON_CLIENT_* variables are exported.
 source "$(dirname "$0")/gpu_env.sh"
 
 N=${GPUS:-$(nvidia-smi -L | wc -l)}
-echo "== e2e: llama2_7b, FSDP over $N GPUs, global batch $N"
-$PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" \
+GRAD=${GRAD_DTYPE:-bfloat16}
+echo "== e2e: llama2_7b, FSDP over $N GPUs, global batch $N, grad_dtype=$GRAD"
+$PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" --set grad_dtype="$GRAD" \
   --policies bf16+adamw,coat+fp8_adamw --time_budget_s "${BUDGET:-540}" \
   --json "$OUT/e2e_llama2_7b_${N}xh200_$DAY.json" \
   2>&1 | tee "$OUT/e2e_llama2_7b_${N}xh200_$DAY.txt"
@@ -31,7 +34,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
     NAME=$(echo "$1" | cut -d= -f2)
     echo "== profile: $P, FSDP $N"
     timeout 240 $PY bench/profile_step.py --config configs/llama2_7b.py --set "$1" --set "$2" \
-      --set mesh.data=1 --set mesh.fsdp="$N" --set batch_size="$N" --trace_dir "/tmp/profile_$NAME" \
+      --set mesh.data=1 --set mesh.fsdp="$N" --set batch_size="$N" --set grad_dtype="$GRAD" --trace_dir "/tmp/profile_$NAME" \
       --json "$OUT/profile_llama2_7b_${NAME}_fsdp${N}_${N}xh200_$DAY.json" 2>&1 | tail -25
   done
 fi

@@ -204,6 +204,23 @@ def test_fp8_gemm_equals_dot_of_dequantized_operands():
     np.testing.assert_allclose(flow.fp8_gemm(a, b, (-1, 0)), expected, rtol=0, atol=tol)
 
 
+def test_fp8_gemm_with_partials_in_out_dtype_rounds_once_more():
+    """``partials_in_out_dtype``: the GEMM emits BF16, the scales multiply after: the fp32
+    result within two BF16 roundings (2^-8 relative each, per element), and the same as scaling
+    the BF16 product by hand."""
+    k1, k2 = jax.random.split(fresh_key())
+    a = quantize(jax.random.normal(k1, (300, 64)), "e4m3")
+    b = quantize(jax.random.normal(k2, (300, 50)), "e5m2")
+    got = flow.fp8_gemm(a, b, (0, 0), jnp.bfloat16, partials_in_out_dtype=True)
+    assert got.dtype == jnp.bfloat16
+    want = flow.fp8_gemm(a, b, (0, 0))
+    np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=2**-7, atol=1e-6)
+    product = jax.lax.dot_general(a.data, b.data, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.bfloat16)  # fmt: skip
+    by_hand = (product.astype(jnp.float32) * (a.scale * b.scale)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(got, by_hand)
+
+
 def block_activation_bytes(policy, h=128, t=32, heads=4, ffn=352, norm="rms"):
     block = nn.Block(h, heads, heads, ffn, policy=get_policy(policy), norm=norm, rngs=nnx.Rngs(0))
     graph, params = nnx.split(block)

@@ -51,6 +51,36 @@ def test_every_projection_is_an_fp8_gemm_forward_and_backward(policy):
     assert f8 >= 14 and other == 0, (f8, other)
 
 
+def test_bf16_weight_gradients_stay_fp8_gemms():
+    """With BF16 weights (``grad_dtype=bfloat16``) the weight-gradient GEMMs emit BF16 from the
+    GEMM itself (``partials_in_out_dtype``): still cuBLASLt FP8 GEMMs, none of another kind."""
+    block = nn.Block(1024, 4, 2, 2816, policy=get_policy("coat"), rngs=nnx.Rngs(0))
+    graph, params = nnx.split(block)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    x = jax.random.normal(jax.random.key(0), (2, 512, 1024), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(512), (2, 512))
+
+    def loss(x, p):
+        return jnp.sum(nnx.merge(graph, p)(x, pos).astype(jnp.float32) ** 2)
+
+    f8, other = gemm_counts(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, params).compile()
+                            .as_text())  # fmt: skip
+    assert f8 >= 14 and other == 0, (f8, other)
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096, 4096), (4096, 1000, 208)])
+def test_fp8_gemm_with_bf16_partials_matches_fp32_product(shape):
+    """``partials_in_out_dtype``: the BF16 result is the fp32 one within BF16 rounding."""
+    m, k, n = shape
+    k1, k2 = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)))
+    a = quantize(jax.random.normal(k1, (k, m)), "e4m3")
+    b = quantize(jax.random.normal(k2, (k, n)), "e5m2")
+    fn = lambda a, b, p: flow.fp8_gemm(a, b, (0, 0), jnp.bfloat16, partials_in_out_dtype=p)
+    got = jax.jit(lambda a, b: fn(a, b, True))(a, b).astype(jnp.float32)
+    want = jax.jit(lambda a, b: flow.fp8_gemm(a, b, (0, 0)))(a, b)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 8e-3
+
+
 def test_bf16_policy_has_no_fp8_gemm():
     f8, other = gemm_counts(block_hlo("bf16"))
     assert f8 == 0 and other >= 14, (f8, other)

@@ -62,6 +62,8 @@ def fp8_gemm(
     contract: tuple[int, int],
     out_dtype=jnp.float32,
     recipe: Fp8Recipe = COAT,
+    *,
+    partials_in_out_dtype: bool = False,
 ) -> jax.Array:
     """``sum_k a[..., k] b[k, ...]`` of two per-tensor FP8 operands, in ``out_dtype``.
 
@@ -77,6 +79,11 @@ def fp8_gemm(
       contract: the contracted axis of ``a`` and of ``b``.
       out_dtype: dtype of the result.
       recipe: supplies the backend (``gemm``) and the Pallas kernel's ``gemm_autotune``.
+      partials_in_out_dtype: the XLA GEMM emits ``out_dtype`` itself (fp32 accumulation
+        inside it) and the scales multiply afterwards, so that where the contracted axis is
+        sharded, the partial sums the partitioner reduces across devices are ``out_dtype``
+        (BF16 weight gradients: a BF16 reduce-scatter, half the bytes of an fp32 one), at one
+        more rounding to ``out_dtype``. Off, the scales join the fp32 product before the cast.
     """
     ca, cb = contract[0] % a.data.ndim, contract[1] % b.data.ndim
     k = a.data.shape[ca]
@@ -86,8 +93,9 @@ def fp8_gemm(
         return fp8_matmul.fp8_dot_general(a.data, b.data, a.scale * b.scale, (ca, cb), out_dtype,
                                           autotune=recipe.gemm_autotune)  # fmt: skip
     dims = (((ca,), (cb,)), ((), ()))
-    out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.float32)
-    return (out * (a.scale * b.scale)).astype(out_dtype)
+    product_dtype = out_dtype if partials_in_out_dtype else jnp.float32
+    out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=product_dtype)
+    return (out.astype(jnp.float32) * (a.scale * b.scale)).astype(out_dtype)
 
 
 def _matrix(x):
@@ -101,7 +109,9 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
     ``x_saved`` / ``w_saved`` are what :func:`_project_forward` returned for backward (per
     tensor: FP8 ``x`` and FP8 weights; finer scaling: ``x^T`` as an FP8 operand along the
     tokens, and the weights themselves). ``dx`` comes in the output gradients' dtype (summed
-    in fp32 over several kernels), each ``dW_i`` in its kernel's dtype.
+    in fp32 over several kernels), each ``dW_i`` in its kernel's dtype, straight from its
+    GEMM (``partials_in_out_dtype``): with BF16 weights (``grad_dtype=bfloat16``) the weight
+    gradients' reduction over data-parallel shards runs in BF16, as the BF16 policy's does.
     """
     if recipe.scaling != "tensor":
         return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
@@ -115,7 +125,8 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
         term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
         dx = term if dx is None else dx + term
         dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
-        dws.append(fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe))
+        dws.append(fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe,
+                            partials_in_out_dtype=True))  # fmt: skip
     return dx.astype(dx_dtype), tuple(dws)
 
 
@@ -132,7 +143,7 @@ def _scaled_backward(xt, kernels, douts, w_dtypes, recipe: Fp8Recipe):
         term = scaled_gemm.scaled_matmul(operand(dy2, recipe.grad, role="activation"), wq)
         dx = term if dx is None else dx + term
         dyt = operand(dy2.T, recipe.grad, role="activation")
-        dws.append(scaled_gemm.scaled_matmul(xt, dyt, dtype))
+        dws.append(scaled_gemm.scaled_matmul(xt, dyt, dtype, partials_in_out_dtype=True))
     return dx.reshape(*douts[0].shape[:-1], -1).astype(douts[0].dtype), tuple(dws)
 
 

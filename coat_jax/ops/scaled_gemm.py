@@ -96,10 +96,18 @@ def _block_max(amax: jax.Array, rows: int) -> jax.Array:
     return jnp.repeat(block, rows, axis=0)[:r]
 
 
-def scaled_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype=jnp.float32) -> jax.Array:
+def scaled_matmul(
+    a: QuantizedArray, b: QuantizedArray, out_dtype=jnp.float32, *,
+    partials_in_out_dtype: bool = False,
+) -> jax.Array:  # fmt: skip
     """``C (M, N)`` of operands ``a (M, K)`` and ``b (N, K)`` from :func:`quantize_operand`
     with the same group layout of ``K``: each group's FP8 product in fp32, scaled by
-    ``s^a_{mj} s^b_{nj}`` and summed in fp32 (module docstring)."""
+    ``s^a_{mj} s^b_{nj}`` and summed in fp32 (module docstring).
+
+    ``partials_in_out_dtype``: the contraction that sums over ``K`` (the GEMM for row scales,
+    the sum over groups for blocks contracted in one chunk) emits ``out_dtype``, so that the
+    partial sums of a sharded ``K`` are reduced across devices in ``out_dtype``
+    (:func:`coat_jax.ops.flow.fp8_gemm`); row scales then multiply after one rounding to it."""
     if not (a.per_group and b.per_group) or a.data.ndim != 3 or b.data.ndim != 3:
         raise ValueError("scaled_matmul needs two grouped operands from quantize_operand")
     if a.data.shape[1:] != b.data.shape[1:] or a.last_dim != b.last_dim:
@@ -108,11 +116,12 @@ def scaled_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype=jnp.float32) -
         )
     sa, sb = a.scale, b.scale  # (M, n), (N, n)
     (m, n, _), nb = a.data.shape, b.data.shape[0]
+    partial_dtype = out_dtype if partials_in_out_dtype else jnp.float32
     if n == 1:
         out = jax.lax.dot_general(
             a.data[:, 0], b.data[:, 0], (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
+            preferred_element_type=partial_dtype,
+        ).astype(jnp.float32)  # fmt: skip
         return (out * sa[:, 0, None] * sb[None, :, 0]).astype(out_dtype)
     chunk = max(1, min(n, _PROMOTION_BYTES // max(4 * m * nb, 1)))
     steps = -(-n // chunk)
@@ -123,15 +132,15 @@ def scaled_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype=jnp.float32) -
         cb = jnp.pad(cb, ((0, 0), (0, pad), (0, 0)))
         sa, sb = jnp.pad(sa, ((0, 0), (0, pad))), jnp.pad(sb, ((0, 0), (0, pad)))
 
-    def part(i):
+    def part(i, dtype=jnp.float32):
         sl = lambda t: jax.lax.dynamic_slice_in_dim(t, i * chunk, chunk, axis=1)
         prod = jax.lax.dot_general(
             sl(ca), sl(cb), (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32
         )  # (chunk, M, N): one fp32 product per group
-        return jnp.einsum("jmn,mj,nj->mn", prod, sl(sa), sl(sb))
+        return jnp.einsum("jmn,mj,nj->mn", prod, sl(sa), sl(sb), preferred_element_type=dtype)
 
     if steps == 1:
-        return part(0).astype(out_dtype)
+        return part(0, partial_dtype).astype(out_dtype)
     total = jax.lax.fori_loop(1, steps, lambda i, acc: acc + part(i), part(0))
     return total.astype(out_dtype)
 
