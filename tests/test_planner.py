@@ -37,6 +37,24 @@ def test_planner_counts_bf16_gradients_at_two_bytes():
     assert grads["float32"] == 2 * grads["bfloat16"] > 0
 
 
+def test_planner_reports_persistent_bytes_per_parameter_and_chunked_logits():
+    """Weights + gradients + state per parameter: fp32 + fp32 + fp32 AdamW = 16 B; FP8 AdamW
+    with every parameter quantized (``min_size=0``) ~2.1 B of state; bf16 gradients save 2 B.
+    ``model.loss_chunk`` cuts the logits to a chunk's."""
+    def plan(**overrides):
+        return planner.memory_plan(tiny_run(seq_len=64, **overrides))
+
+    adamw = plan(**{"optimizer.name": "adamw"})
+    assert adamw["persistent_bytes_per_param"] == pytest.approx(16.0, rel=1e-4)  # + step counts
+    fp8 = plan(**{"optimizer.min_size": 0})["persistent_bytes_per_param"]
+    assert 10.0 < fp8 < 10.3
+    bf16_grads = plan(grad_dtype="bfloat16", **{"optimizer.min_size": 0})
+    assert bf16_grads["persistent_bytes_per_param"] == pytest.approx(fp8 - 2, rel=1e-6)
+    whole, chunked = adamw["logits_estimate"], plan(**{"model.loss_chunk": 16})["logits_estimate"]
+    assert chunked * 4 == whole > 0  # 16 of 64 positions
+    assert "per parameter" in planner.format_plan(adamw)
+
+
 def synthetic(monkeypatch, total, per_sequence=7.5, **overrides):
     """A run whose compiled total at batch b is ``total(b)`` (no compile happens) and whose
     analytic model grows ``per_sequence`` bytes a sequence."""

@@ -19,6 +19,7 @@ from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models.nn import Block
 from coat_jax.models.policy import get_policy
 from coat_jax.ops import plain
+from coat_jax.ops.loss import chunked_cross_entropy
 from coat_jax.ops.sharding import constrain
 
 __all__ = ["PRESETS", "KVCache", "Llama", "LlamaConfig", "init_cache", "loss_fn"]
@@ -49,6 +50,10 @@ class LlamaConfig:
         otherwise) or a ``jax.default_matmul_precision`` value the model is traced under, e.g.
         ``"BF16_BF16_F32_X3"`` for an fp32 reference at a third of BF16's GEMM speed on a GPU
         (three BF16 passes, about 16 bits of mantissa, against ``"highest"``'s CUDA-core fp32).
+      loss_chunk: ``0`` (the loss reads the whole logits) or positions per chunk of the
+        chunked cross-entropy (:func:`loss_fn`; :mod:`coat_jax.ops.loss`): the step never holds
+        more than ``batch x loss_chunk`` fp32 logits and their gradient. Same loss up to the
+        order of fp32 sums.
     """
 
     vocab_size: int = 32000
@@ -70,6 +75,7 @@ class LlamaConfig:
     precision: str = "coat"
     fp8: Fp8Recipe = Fp8Recipe()
     matmul_precision: str | None = None
+    loss_chunk: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
@@ -92,6 +98,9 @@ class LlamaConfig:
         c = self.clip_qkv
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
             raise ValueError(f"LlamaConfig.clip_qkv must be None or a number > 0, got {c!r}")
+        chunk = self.loss_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"LlamaConfig.loss_chunk must be an int >= 0, got {chunk!r}")
         self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
         if self.matmul_precision is not None:
@@ -239,6 +248,11 @@ class Llama(nnx.Module):
             return self._forward(tokens, compute_dtype or policy.compute_dtype)
 
     def _forward(self, tokens: jax.Array, compute_dtype) -> jax.Array:
+        x = self._trunk(tokens, compute_dtype)
+        return constrain(self._head(x, compute_dtype), ("batch", None, "vocab"))
+
+    def _trunk(self, tokens: jax.Array, compute_dtype) -> jax.Array:
+        """The last block's output ``(B, T, dim)`` of ``tokens``."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         hidden = ("batch", None, None)  # under a mesh: examples split, features whole
         # The table is gathered whole before the lookup, as FSDP gathers any weight before use
@@ -250,14 +264,40 @@ class Llama(nnx.Module):
         x = constrain(table[tokens].astype(compute_dtype), hidden)
         for block in self.blocks:
             x = constrain(block(x, positions), hidden)
-        return constrain(self._head(x, compute_dtype), ("batch", None, "vocab"))
+        return x
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        scale = None if self.final_norm is None else self.final_norm[...]
+        return plain.norm(x, scale, self.config.norm_eps, self.config.norm)
+
+    def _head_matrix(self) -> jax.Array:
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
     def _head(self, x: jax.Array, compute_dtype) -> jax.Array:
         """fp32 logits of the last block's output ``x``: the final norm, then the LM head."""
-        scale = None if self.final_norm is None else self.final_norm[...]
-        x = plain.norm(x, scale, self.config.norm_eps, self.config.norm)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(x, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+        head = self._head_matrix().astype(compute_dtype)
+        return jnp.dot(self._final_norm(x), head, preferred_element_type=jnp.float32)
+
+    def chunked_loss(
+        self, inputs: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+    ) -> jax.Array:
+        """Mean next-token cross-entropy of ``inputs (B, T)`` against ``targets (B, T)``
+        (``weights``: a mask), with the logits computed ``config.loss_chunk`` positions at a
+        time (:func:`coat_jax.ops.loss.chunked_cross_entropy`)."""
+        chunk = self.config.loss_chunk
+        if chunk <= 0:
+            raise ValueError("Llama.chunked_loss needs config.loss_chunk > 0")
+        policy = self.config.policy()
+        compute_dtype = policy.compute_dtype
+        with policy.precision_scope():
+            x = self._final_norm(self._trunk(inputs, compute_dtype))
+            head = self._head_matrix().astype(jnp.float32)  # its gradient sums chunks in fp32
+
+            def logits(xc):
+                out = jnp.dot(xc, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+                return constrain(out, ("batch", None, "vocab"))
+
+            return chunked_cross_entropy(logits, x, targets, weights, chunk)
 
     def decode(self, tokens: jax.Array, cache: KVCache, compute_dtype=jnp.bfloat16):
         """Logits of ``tokens (B, T)`` placed in cache slots ``cache.length ..``, and the cache
@@ -306,7 +346,11 @@ def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16
 
 
 def loss_fn(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of ``tokens (B, T+1)``; ``mask (B, T)`` weights it."""
+    """Mean next-token cross-entropy (fp32) of ``tokens (B, T+1)``; ``mask (B, T)`` weights it.
+    With ``model.config.loss_chunk`` the logits are never whole (:meth:`Llama.chunked_loss`)."""
+    if model.config.loss_chunk:
+        weights = None if mask is None else mask.astype(jnp.float32)
+        return model.chunked_loss(tokens[:, :-1], tokens[:, 1:], weights)
     logits = model(tokens[:, :-1])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     if mask is None:

@@ -90,8 +90,10 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
     activations = saved_activation_bytes_abstract(
         lambda p, t: loss_fn(nnx.merge(graph, p), t), run.params, micro_tokens, batch_dims=(micro,)
     )
-    vocab = jax.eval_shape(lambda p, t: nnx.merge(graph, p)(t[:, :-1]), run.params, micro_tokens)
-    logits = vocab.size * 4
+    positions = tokens - 1
+    if run.model.loss_chunk:  # the chunked loss holds one chunk of logits at a time
+        positions = min(positions, run.model.loss_chunk)
+    logits = micro * positions * run.model.vocab_size * 4
     split = run.placement.batch_shards
     activations, logits = activations // split, logits // split
     param_bytes = _bytes(run.params, run.placement.params)
@@ -110,6 +112,10 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
         "compiled_temp": int(analysis.temp_size_in_bytes),
     }
     plan["compiled_total"] = analysis_total(analysis)
+    # Whole-model bytes per parameter that live through the run: weights, gradients, state.
+    n_params = sum(x.size for x in jax.tree.leaves(run.params))
+    persistent = _bytes(run.params) + _bytes(run.params, itemsize=grad_itemsize) + _bytes(opt_state)
+    plan["persistent_bytes_per_param"] = persistent / max(n_params, 1)
     # Working set of one layer's backward, fp32: the attention scores, probabilities and their
     # gradient where attention is not a fused flash kernel, and the MLP's gate/up/hidden.
     plan["workspace_estimate"] = layer_workspace(run.model, -(-micro // split), tokens - 1)
@@ -323,7 +329,7 @@ def format_plan(plan: dict) -> str:
         ("gradients", plan["grads"]),
         ("optimizer state", plan["optimizer_state"]),
         ("saved activations (1 micro-batch)", plan["activations_estimate"]),
-        ("logits (1 micro-batch, fp32)", plan["logits_estimate"]),
+        ("logits (1 micro-batch or loss chunk)", plan["logits_estimate"]),
         ("one layer's backward workspace", plan["workspace_estimate"]),
         ("temporaries, analytic", plan["temp_estimate"]),
         ("temporaries, compiled", plan["compiled_temp"]),
@@ -331,6 +337,9 @@ def format_plan(plan: dict) -> str:
         ("total, compiled", plan["compiled_total"]),
     ]
     lines = [f"  {name:36s}{gb(value)}" for name, value in rows]
+    if "persistent_bytes_per_param" in plan:  # plans recorded before 2026-12-01 lack it
+        lines.append(f"  {'weights+grads+state per parameter':36s}"
+                     f"{plan['persistent_bytes_per_param']:9.2f} B")  # fmt: skip
     limit = plan["device_limit"]
     if limit:
         verdict = "fits" if plan["compiled_total"] <= limit else "does NOT fit"
