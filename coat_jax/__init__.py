@@ -5,6 +5,8 @@ Public API:
 * :func:`fp8_adamw`, :func:`scale_by_fp8_adam`: optax optimizers whose Adam moments are FP8
   with per-group dynamic range expansion; :func:`fused_fp8_adamw_update`: the same update and
   ``optax.apply_updates`` in one pass (Pallas on Hopper, for trainers that own the step).
+* :func:`master_weights`: any optax transformation with BF16 parameters and the fp32 master
+  weights' remainders (16 bits: exact) in its state.
 * :func:`fp8_state`, :class:`Fp8WrappedState`: any optax transformation (``optax.adam``,
   ``optax.lion``, ...) with its parameter-shaped float state stored in FP8.
 * :func:`quantize`, :func:`dequantize`, :class:`QuantizedArray`: FP8 quantization per tensor or
@@ -40,6 +42,7 @@ _PUBLIC = {
     "fp8_state": "coat_jax.ops.fp8_state",
     "fused_fp8_adamw_update": ("coat_jax.ops.fused_update", "fp8_adamw_update"),
     "get_format": "coat_jax.core.formats",
+    "master_weights": "coat_jax.ops.master_weights",
     "quantize": "coat_jax.core.quant",
     "scale_by_fp8_adam": "coat_jax.ops.optim",
 }

@@ -17,7 +17,8 @@ def load_config(name, overrides=None):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tiny", "llama_114m", "llama2_7b", "llama3_8b", "llama_finetune"]
+    "name",
+    ["llama", "llama_tiny", "llama_114m", "llama2_7b", "llama2_13b", "llama3_8b", "llama_finetune"],
 )
 def test_shipped_configs_validate(name):
     config = load_config(name)

@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("fp8_adamw", "adamw")
+MASTER_WEIGHTS = {"fp32": None, "bf16+16": 16, "bf16+8": 8}
+"""``config.optimizer.master_weights`` -> remainder bits (``None``: fp32 parameters)."""
 DATA_FORMATS = ("text", "prompt_response")
 
 
@@ -84,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
             expansion=True,
             group_size=128,
             min_size=16384,
+            # fp32 | bf16+16 | bf16+8: the master weights (coat_jax.ops.master_weights). The
+            # bf16+ options keep BF16 parameters and a 16-bit (exact) or 8-bit (lossy)
+            # remainder of the fp32 weight in the optimizer state; they need grad_dtype=bfloat16
+            master_weights="fp32",
             # auto | pallas | reference | interpret: the fused Pallas optimizer kernels
             # (pallas_kernels.dispatch; auto = on a Hopper GPU where measured faster)
             kernels="auto",
@@ -141,7 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
 # Keys that decide the shapes or structure of the saved state: a checkpoint cannot resume
 # with another value. Prefixes end in a dot.
 STATE_KEYS = ("model.", "optimizer.name", "optimizer.mu_format", "optimizer.nu_format",
-              "optimizer.expansion", "optimizer.group_size", "optimizer.min_size")  # fmt: skip
+              "optimizer.expansion", "optimizer.group_size", "optimizer.min_size",
+              "optimizer.master_weights")  # fmt: skip
 # Keys that steer a run but not what it computes: never reported on resume.
 RUN_CONTROL_KEYS = ("resume", "resume_step", "workdir", "progress", "log_interval", "eval_interval",
                     "eval_batches", "checkpoint_interval", "keep_checkpoints", "compile_cache_dir",
@@ -293,6 +300,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.precision not in POLICIES:
         raise ValueError(f"config.precision={c.precision!r}: expected one of {sorted(POLICIES)}")
     o = c.optimizer
+    if o.master_weights not in MASTER_WEIGHTS:
+        raise ValueError(
+            f"config.optimizer.master_weights={o.master_weights!r}: expected one of "
+            f"{list(MASTER_WEIGHTS)}"
+        )
+    if o.master_weights != "fp32" and c.grad_dtype != "bfloat16":
+        raise ValueError(
+            f"config.optimizer.master_weights={o.master_weights!r} keeps BF16 parameters, whose "
+            "gradients are BF16: set config.grad_dtype=bfloat16"
+        )
     if o.name not in OPTIMIZERS:
         raise ValueError(f"config.optimizer.name={o.name!r}: expected one of {list(OPTIMIZERS)}")
     if o.kernels not in KERNEL_OPTIONS:

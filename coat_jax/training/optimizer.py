@@ -20,6 +20,8 @@ import optax
 
 from coat_jax.core.adam import ScaleByFp8AdamState
 from coat_jax.ops import fused_update, optim
+from coat_jax.ops.master_weights import master_weights
+from coat_jax.training.configs import MASTER_WEIGHTS
 from pallas_kernels import dispatch
 
 __all__ = [
@@ -53,7 +55,10 @@ class OptimizerSetup:
     """An optimizer built from a config, and the values it was built with.
 
     Attributes:
-      tx: the optax chain (what ``init`` and the unfused update run).
+      tx: what ``init`` runs: the optax chain, wrapped by
+        :func:`~coat_jax.ops.master_weights.master_weights` when ``master_bits`` is set.
+      chain: the optax chain itself (what the unfused update runs on fp32 weights).
+      master_bits: remainder bits of BF16 master weights (16 or 8), or ``None`` (fp32).
       schedule: the learning-rate schedule (a function of the step count).
       name: ``"adamw"`` or ``"fp8_adamw"``.
       adamw: the AdamW keyword arguments both paths take (``b1``, ``b2``, ``eps``,
@@ -63,6 +68,8 @@ class OptimizerSetup:
     """
 
     tx: optax.GradientTransformation
+    chain: optax.GradientTransformation
+    master_bits: int | None
     schedule: optax.Schedule
     name: str
     adamw: dict[str, Any]
@@ -98,7 +105,10 @@ def make_optimizer(o, steps: int) -> OptimizerSetup:
         )
     if o.grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
-    return OptimizerSetup(tx, schedule, o.name, adamw, float(o.grad_clip), o.kernels)
+    bits = MASTER_WEIGHTS[o.get("master_weights", "fp32")]
+    wrapped = tx if bits is None else master_weights(tx, bits)
+    return OptimizerSetup(wrapped, tx, bits, schedule, o.name, adamw, float(o.grad_clip),
+                          o.kernels)  # fmt: skip
 
 
 def _counted(s) -> bool:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from coat_jax.models.llama import Llama, LlamaConfig, init_params
 from coat_jax.ops import sharding
+from coat_jax.ops.master_weights import to_bf16_parts
 from coat_jax.training import configs, data, finetune, parallel, step
 from coat_jax.training.optimizer import OptimizerSetup, make_fused_update, make_optimizer
 from coat_jax.training.parallel import Placement
@@ -73,13 +74,24 @@ class Run:
 
     def create(self):
         """``(params, opt_state)`` on the devices, each array made in its shards: a new model
-        from ``config.seed``, or ``config.init_from``'s weights; a fresh optimizer state."""
+        from ``config.seed``, or ``config.init_from``'s weights; a fresh optimizer state. With
+        BF16 master weights the fp32 weights are made first, the optimizer state (with their
+        remainders) from them, then the BF16 parameters."""
         shardings = self.placement.params
         if self.config.init_from:
-            params = finetune.initial_params(self.config, self.params, shardings)
+            like = _with_dtype(self.params, jnp.float32)
+            params = finetune.initial_params(self.config, like, shardings)
         else:
             params = init_params(self.model, self.config.seed, shardings)[1]
-        return params, self.placement.init_opt_state(self.optimizer.tx, params)
+        opt_state = self.placement.init_opt_state(self.optimizer.tx, params)
+        if self.optimizer.master_bits is not None:
+            params = jax.jit(to_bf16_parts, out_shardings=shardings, donate_argnums=0)(params)
+        return params, opt_state
+
+
+def _with_dtype(params, dtype):
+    """Abstract ``params`` with every float leaf in ``dtype``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
 
 
 def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
@@ -102,6 +114,8 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     model = configs.llama_config(config)
     graph, params = nnx.split(nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0))))
     optimizer = make_optimizer(config.optimizer, config.steps)
+    if optimizer.master_bits is not None:  # the model holds the BF16 parts
+        params = _with_dtype(params, jnp.bfloat16)
     try:
         mesh = sharding.make_mesh(**config.mesh, devices=devices)
     except ValueError as e:
@@ -116,8 +130,9 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
             )
     fused = make_fused_update(optimizer, placement)
     train_step = step.make_train_step(
-        graph, optimizer.tx, placement, fused_update=fused,
+        graph, optimizer.chain, placement, fused_update=fused,
         compiler_options=model.policy().compiler_options(), grad_dtype=config.grad_dtype,
+        master_bits=optimizer.master_bits,
     )  # fmt: skip
     eval_step = step.make_eval_step(graph, placement)
     return Run(config, model, tokenizer, graph, params, optimizer, placement, train_step,

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from coat_jax.core import master
 from coat_jax.models.llama import loss_fn
+from coat_jax.ops import master_weights
 from coat_jax.training import parallel
 from coat_jax.training.data import ExampleSampler
 from coat_jax.training.optimizer import global_norm_fp32
@@ -48,7 +50,7 @@ def global_batch(sampler, index: int, split: str, shape, target):
 
 def make_train_step(
     graph, optimizer, placement=None, fused_update=None, compiler_options=None,
-    grad_dtype=jnp.float32, skip_nonfinite=True,
+    grad_dtype=jnp.float32, skip_nonfinite=True, master_bits=None,
 ):  # fmt: skip
     """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm, skipped})``,
     jitted with
@@ -68,6 +70,13 @@ def make_train_step(
     above 1 the micro-batch gradients are summed in fp32, so the saving needs both the fused
     update and one micro-batch per step. The gradient norm is always taken in fp32.
 
+    ``master_bits``: 16 or 8 for BF16 master weights (``coat_jax.ops.master_weights``):
+    ``params`` are then BF16, ``opt_state`` a ``MasterWeightsState`` whose ``inner`` is
+    ``optimizer``'s state, and each update runs on the fp32 weights rebuilt from both and
+    splits them again (with 16 bits bit-identical to fp32 master weights and
+    ``grad_dtype=bfloat16``, whose BF16 view rounds the same way,
+    ``coat_jax.core.master.bf16_part``).
+
     ``skip_nonfinite``: a step whose loss or gradient norm is NaN or Inf returns ``params`` and
     ``opt_state`` unchanged (the update runs under ``lax.cond``; no step count advances) and
     ``skipped = True``, so no non-finite value ever reaches the state (``optax.apply_if_finite``
@@ -81,7 +90,7 @@ def make_train_step(
         return _batch_loss(graph, params, tokens)
 
     def step(params, opt_state, batch):
-        wrt = jax.tree.map(lambda p: p.astype(grad_dtype), params) if low else params
+        wrt = jax.tree.map(_bf16_view, params) if low else params
 
         def accumulate(grads, tokens):
             loss, g = jax.value_and_grad(micro_loss)(wrt, tokens)
@@ -97,13 +106,17 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
         loss, grad_norm = losses.mean(), global_norm_fp32(grads)
 
-        def update(state):
-            params, opt_state = state
+        def fp32_update(params, opt_state):
             if fused_update is not None:
                 return fused_update(params, grads, opt_state)
             g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             updates, opt_state = optimizer.update(g32, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
+
+        def update(state):
+            if master_bits is None:
+                return fp32_update(*state)
+            return master_weights.apply_exactly(*state, master_bits, fp32_update)
 
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip_nonfinite:
@@ -122,6 +135,12 @@ def make_train_step(
         donate_argnums=(0, 1),
         compiler_options=compiler_options,
     )
+
+
+def _bf16_view(p):
+    """What a model computing with ``grad_dtype=bfloat16`` reads of a weight: fp32 rounded
+    as BF16 master weights keep it (:func:`coat_jax.core.master.bf16_part`)."""
+    return master.bf16_part(p) if p.dtype == jnp.float32 else p.astype(jnp.bfloat16)
 
 
 def make_eval_step(graph, placement=None):

@@ -1,0 +1,157 @@
+"""BF16 master weights with a remainder: the split is exact, training is bit-identical to fp32
+master weights (16 bits), and the 8-bit residual stays close."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import coat_jax
+from coat_jax.core import master
+from coat_jax.ops.master_weights import master_weights, to_bf16_parts
+from coat_jax.training import configs
+from coat_jax.training.run import assemble
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def bits_of(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_split_join_is_exact_for_every_bit_pattern(patterns):
+    """All 2^32 patterns (NaN payloads, infinities, denormals, -0) come back bit for bit."""
+    w = jnp.asarray(np.asarray(patterns, np.uint32).view(np.float32))
+    hi, remainder = master.split(w)
+    assert hi.dtype == jnp.bfloat16 and remainder.dtype == jnp.int16
+    np.testing.assert_array_equal(bits_of(master.join(hi, remainder)), bits_of(w))
+
+
+def test_bf16_part_is_round_to_nearest_ties_away():
+    """The BF16 part is the nearest BF16 value (``astype``'s but on exact ties, which go away
+    from zero): checked on random finite floats and on ties built bit by bit."""
+    w = jax.random.normal(jax.random.key(0), (100_000,)) * jnp.exp(
+        jax.random.normal(jax.random.key(1), (100_000,)) * 10
+    )
+    np.testing.assert_array_equal(master.bf16_part(w), w.astype(jnp.bfloat16))
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000], np.uint32).view(np.float32)
+    want = np.array([0x3F81, 0x3F82, 0xBF81, 0xBF82], np.uint16)  # magnitude rounded up
+    got = np.asarray(master.bf16_part(jnp.asarray(ties))).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_eight_bit_residual_within_two_to_the_minus_15():
+    w = jax.random.normal(jax.random.key(2), (200_000,)) * 0.02
+    back = master.join(*master.split(w, 8))
+    assert float(jnp.max(jnp.abs(back - w) / jnp.abs(w))) < 2.0**-15
+
+
+def test_bad_bits_and_remainders():
+    with pytest.raises(ValueError, match="remainder bits"):
+        master.split(jnp.ones(3), 12)
+    with pytest.raises(ValueError, match="remainder bits"):
+        master_weights(optax.sgd(0.1), bits=4)
+    with pytest.raises(TypeError, match="int16 or int8"):
+        master.join(jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.int32))
+
+
+def test_as_an_optax_optimizer_it_tracks_fp32_master_weights():
+    """``optax.apply_updates`` of its updates lands on the BF16 parts of the fp32 weights a
+    plain fp32 AdamW reaches from the same BF16 views' gradients, upcast (50 steps)."""
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(k[0], (64, 32)) * 0.1, "b": jnp.zeros(32)}
+    target = jax.random.normal(k[1], (16, 32))
+    x = jax.random.normal(k[2], (16, 64))
+    loss = lambda p: jnp.mean((x @ p["w"] + p["b"] - target) ** 2)
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    opt = master_weights(inner, bits=16)
+    state, ref_state = opt.init(params), inner.init(params)
+    ref, bf16 = params, to_bf16_parts(params)
+    for _ in range(50):
+        updates, state = opt.update(jax.grad(loss)(bf16), state, bf16)
+        bf16 = optax.apply_updates(bf16, updates)
+        ref_grads = jax.grad(loss)(to_bf16_parts(ref))
+        ref_grads = jax.tree.map(lambda g: g.astype(jnp.float32), ref_grads)
+        ref_updates, ref_state = inner.update(ref_grads, ref_state, ref)
+        ref = optax.apply_updates(ref, ref_updates)
+    for a, b, r in zip(jax.tree.leaves(bf16), jax.tree.leaves(to_bf16_parts(ref)),
+                       jax.tree.leaves(state.remainder), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert r.dtype == jnp.int16
+    joined = jax.tree.map(master.join, bf16, state.remainder)
+    for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def train(overrides, steps):
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
+    configs.validate(config)
+    run = assemble(config)
+    params, opt_state = run.create()
+    losses = []
+    for i in range(steps):
+        tokens = jax.random.randint(jax.random.key(100 + i), run.batch_shape(), 0, 256)
+        params, opt_state, metrics = run.train_step(params, opt_state, tokens)
+        losses.append(metrics["loss"])
+    return (run, np.asarray(losses)), params, opt_state
+
+
+@pytest.mark.parametrize("optimizer,steps", [("fp8_adamw", 100), ("adamw", 100)])
+def test_bf16_plus_16_bit_remainder_trains_bit_identically_to_fp32_master(optimizer, steps):
+    """The trainer's step on llama_tiny (COAT, bf16 gradients), 100 steps: the BF16 + 16-bit
+    remainder run's weights, rebuilt, equal the fp32-master run's bit for bit; its parameters
+    are the BF16 parts, 2 bytes each."""
+    common = {"grad_dtype": "bfloat16", "optimizer.name": optimizer, "optimizer.warmup_steps": 5}
+    _, p32, _ = train(common, steps)
+    _, hi, state = train({**common, "optimizer.master_weights": "bf16+16"}, steps)
+    assert {x.dtype for x in jax.tree.leaves(hi)} == {jnp.dtype(jnp.bfloat16)}
+    rebuilt = jax.tree.map(master.join, hi, state.remainder)
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(p32), strict=True):
+        np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def test_fused_update_with_master_weights_is_bit_identical_to_fp32_master():
+    """The fused FP8 AdamW kernel (interpreted) runs between the rebuild and the split: 3 steps
+    equal the fused kernel's on fp32 master weights bit for bit."""
+    common = {"grad_dtype": "bfloat16", "optimizer.kernels": "interpret",
+              "optimizer.warmup_steps": 1}  # fmt: skip
+    (run, _), p32, _ = train(common, 3)
+    assert run.fused_update
+    _, hi, state = train({**common, "optimizer.master_weights": "bf16+16"}, 3)
+    rebuilt = jax.tree.map(master.join, hi, state.remainder)
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(p32), strict=True):
+        np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def test_eight_bit_residual_trains_close_to_fp32_master():
+    """bf16+8 on llama_tiny, 100 steps: the mean loss of the last 20 steps within 0.5% of fp32
+    master weights' (the weights themselves drift apart as any two runs' do: Adam turns ulp
+    differences into lr-sized steps)."""
+    common = {"grad_dtype": "bfloat16", "optimizer.warmup_steps": 5}
+    (_, ref), _, _ = train(common, 100)
+    (_, run), _, state = train({**common, "optimizer.master_weights": "bf16+8"}, 100)
+    assert {x.dtype for x in jax.tree.leaves(state.remainder)} == {jnp.dtype(jnp.int8)}
+    last = lambda losses: float(np.mean(losses[-20:]))
+    assert abs(last(run) / last(ref) - 1) < 5e-3, (last(run), last(ref))
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"optimizer.master_weights": "bf16"}, "master_weights='bf16'"),
+     ({"optimizer.master_weights": "bf16+16"}, "set config.grad_dtype=bfloat16")],
+)  # fmt: skip
+def test_bad_master_weight_configs(overrides, match):
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
+    with pytest.raises(ValueError, match=match):
+        configs.validate(config)
+
+
+def test_public_name():
+    assert coat_jax.master_weights is master_weights
