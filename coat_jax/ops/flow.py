@@ -176,12 +176,14 @@ def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
         .reshape(*x.shape[:-1], w.shape[1])
         for w in kernels
     )  # fmt: skip
-    return outs, (_wgrad_operand(x, recipe), tuple(kernels))
+    return outs, _backward_operands(x, kernels, recipe)
 
 
 def _backward_operands(x, kernels, recipe: Fp8Recipe):
-    """What backward reads of a projection whose forward ran in BF16: per tensor, FP8 ``x``
-    and FP8 weights; finer scaling, ``x^T`` along the tokens and the weights."""
+    """What backward reads of a projection whose forward did not leave FP8 operands to keep
+    (a BF16 forward; finer scaling, whose forward operands are scaled along ``K``): per
+    tensor, FP8 ``x`` and FP8 weights; finer scaling, ``x^T`` along the tokens and the
+    weights."""
     if recipe.scaling == "tensor":
         return quantize(x, recipe.forward), tuple(quantize(w, recipe.forward) for w in kernels)
     return _wgrad_operand(x, recipe), tuple(kernels)

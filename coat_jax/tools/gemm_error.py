@@ -544,23 +544,6 @@ def plot(report: dict, path: str) -> None:
 # Where the params and the batch come from
 
 
-def _run_config(ckpt, step: int, workdir: str) -> ml_collections.ConfigDict:
-    """The config saved with checkpoint ``step`` (its meta's), else the workdir's config.json."""
-    try:
-        saved = ckpt.read_meta(step).get("config")
-    except Exception:  # noqa: BLE001 - an unreadable meta: the restore says what is wrong
-        saved = None
-    if saved is None:
-        path = os.path.join(workdir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: not found, and checkpoint {step} holds no config")
-        with open(path) as f:
-            saved = json.load(f)
-    if "model" not in saved:
-        raise ValueError(f"{workdir}: the saved config has no model (not a coat-jax run)")
-    return ml_collections.ConfigDict(saved)
-
-
 def open_run(path: str):
     """``(config, model config, step, checkpointer)`` of the ``train.py`` workdir ``path`` (or
     its ``checkpoints`` folder) at its latest checkpoint; JSON and folder listings only.
@@ -568,7 +551,7 @@ def open_run(path: str):
     Raises:
       FileNotFoundError: no such folder, or no checkpoint in it.
     """
-    from coat_jax.training import configs
+    from coat_jax.training import configs, finetune
     from coat_jax.training.checkpoint import Checkpointer
 
     folder = os.path.normpath(path)
@@ -582,7 +565,7 @@ def open_run(path: str):
     if step is None:
         ckpt.close()
         raise FileNotFoundError(f"{checkpoints}: no checkpoint")
-    c = _run_config(ckpt, step, folder)
+    c = ml_collections.ConfigDict(finetune.read_run_config(folder, ckpt, step))
     return c, configs.llama_config(c), step, ckpt
 
 

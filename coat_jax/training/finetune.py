@@ -36,6 +36,32 @@ def _run_dirs(path: str) -> tuple[str, str]:
     return path, os.path.join(path, "checkpoints")
 
 
+def read_run_config(workdir: str, ckpt: Checkpointer | None = None, step: int | None = None):
+    """A ``train.py`` run's config as a dict: the one saved with checkpoint ``step`` of
+    ``ckpt`` (its meta) when given and readable, else ``workdir/config.json``.
+
+    Raises:
+      FileNotFoundError: no ``config.json`` where the checkpoint holds none.
+      ValueError: the config has no ``model`` (not a coat-jax run).
+    """
+    saved = None
+    if ckpt is not None and step is not None:
+        try:
+            saved = ckpt.read_meta(step).get("config")
+        except Exception:  # noqa: BLE001 - an unreadable meta: the restore says what is wrong
+            saved = None
+    path = os.path.join(workdir, "config.json")
+    if saved is None:
+        if not os.path.isfile(path):
+            held = "" if step is None else f", and checkpoint {step} holds no config"
+            raise FileNotFoundError(f"{path}: not found (a train.py run's config){held}")
+        with open(path) as f:
+            saved = json.load(f)
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise ValueError(f"{path}: model: missing (not a coat-jax run config)")
+    return saved
+
+
 def resolve_init_from(c: ml_collections.ConfigDict) -> None:
     """Fills ``c.model`` and an ``"auto"`` ``c.data.tokenizer`` from ``c.init_from``, in place.
 
@@ -54,13 +80,7 @@ def resolve_init_from(c: ml_collections.ConfigDict) -> None:
             if os.path.isfile(os.path.join(path, "tokenizer.json")):
                 tokenizer = os.path.join(path, "tokenizer.json")
         elif os.path.isdir(checkpoints):
-            run_config = os.path.join(workdir, "config.json")
-            if not os.path.isfile(run_config):
-                raise FileNotFoundError(f"{run_config}: not found (init_from's run config)")
-            with open(run_config) as f:
-                run = json.load(f)
-            if "model" not in run:
-                raise ValueError(f"{run_config}: model: missing (not a coat-jax run config)")
+            run = read_run_config(workdir)
             model = LlamaConfig(**run["model"], precision=c.precision)
             tokenizer = run.get("data", {}).get("tokenizer", "bytes")
         else:

@@ -357,7 +357,7 @@ def read_source(path: str, max_len: int | None = None) -> Source:
     tokenizer = data.load_tokenizer(c.data.tokenizer)
     if os.path.isdir(os.path.join(workdir, "checkpoints")):  # as finetune tells them apart
         kind, eos = "run", ()
-        context = _json(os.path.join(workdir, "config.json")).get("seq_len")
+        context = finetune.read_run_config(workdir).get("seq_len")
     else:
         kind = "hf"
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
