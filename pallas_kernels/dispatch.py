@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-from coat_jax.core.recipe import GEMM_BACKENDS
+from coat_jax.core.recipe import GEMM_BACKENDS, KERNEL_OPTIONS
 
 __all__ = [
     "AUTO_USES_KERNEL",
@@ -36,8 +36,6 @@ __all__ = [
     "resolve",
 ]
 
-KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
-
 AUTO_USES_KERNEL: dict[str, bool] = {
     # The fused moment kernel (pallas_kernels/adam_step.py), H200, jax 0.11.2, 1.01B params
     # (bench/results/optimizer_h200_2026-11-30.json): 14.31 ms against the XLA reference's
@@ -46,6 +44,9 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # The full AdamW update (pallas_kernels/adam_update.py), same run: 9.37 ms against its
     # XLA reference's 16.32 ms; compiled tests pass there.
     "adam_update": True,
+    # The COAT norm / SwiGLU forwards with quantization inside (pallas_kernels/fused_quantize.py,
+    # 2026-12-01): CPU-tested in interpret mode only, not yet compiled or timed on a GPU.
+    "fused_quantize": False,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
 Flip an entry only with a GPU measurement showing the kernel faster, and cite it above."""

@@ -20,6 +20,11 @@ field                  default    meaning
                                   kernel, Hopper only, one device), ``auto`` (Pallas for the
                                   shapes measured faster, ``pallas_kernels.dispatch``)
 ``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
+``fused_quantize``     ``auto``   the COAT norm and SwiGLU forwards as two Pallas passes that
+                                  quantize inside the op (``pallas_kernels.fused_quantize``;
+                                  per-tensor FP8 forward GEMMs, one device): ``auto`` (where
+                                  measured faster, ``pallas_kernels.dispatch``), ``pallas``,
+                                  ``interpret`` or ``reference`` (the XLA ops)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 =====================  =========  ===========================================================
 
@@ -38,7 +43,8 @@ import jax
 
 from coat_jax.core.formats import Fp8Format, get_format
 
-__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "SCALINGS", "Fp8Recipe"]
+__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "KERNEL_OPTIONS", "SCALINGS",
+           "Fp8Recipe"]  # fmt: skip
 
 ACT_GROUP = 16
 """COAT's group size for FP8 inputs of non-linear layers (1x16 along the hidden axis)."""
@@ -46,6 +52,8 @@ ACT_GROUP = 16
 GEMM_BACKENDS = ("xla", "pallas", "auto")
 SCALINGS = ("tensor", "row", "block")
 FORWARD_GEMMS = ("fp8", "bf16")
+KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
+"""Where a Pallas kernel family runs (``pallas_kernels.dispatch.resolve``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,7 @@ class Fp8Recipe:
     forward_gemm: str = "fp8"
     gemm: str = "xla"
     gemm_autotune: bool = True
+    fused_quantize: str = "auto"
     triton_gemm: bool = False
 
     def __post_init__(self):
@@ -81,6 +90,11 @@ class Fp8Recipe:
             )
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"Fp8Recipe.gemm={self.gemm!r}: expected one of {GEMM_BACKENDS}")
+        if self.fused_quantize not in KERNEL_OPTIONS:
+            raise ValueError(
+                f"Fp8Recipe.fused_quantize={self.fused_quantize!r}: expected one of "
+                f"{KERNEL_OPTIONS}"
+            )
         for name in ("gemm_autotune", "triton_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Recipe.{name} must be a bool, got {getattr(self, name)!r}")

@@ -44,7 +44,7 @@ from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import scaled_gemm
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
-from pallas_kernels import dispatch, fp8_matmul
+from pallas_kernels import dispatch, fp8_matmul, fused_quantize
 
 __all__ = ["fp8_gemm", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
 
@@ -164,10 +164,7 @@ def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
         outs = tuple(jnp.dot(x, w.astype(x.dtype)).astype(out_dtype) for w in kernels)
         return outs, _backward_operands(x, kernels, recipe)
     if recipe.scaling == "tensor":
-        xq = quantize(x, recipe.forward)
-        wqs = tuple(quantize(w, recipe.forward) for w in kernels)
-        outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
-        return outs, (xq, wqs)
+        return _project_quantized(quantize(x, recipe.forward), kernels, out_dtype, recipe)
     operand = functools.partial(scaled_gemm.quantize_operand, scaling=recipe.scaling)
     x2 = _matrix(x)
     xq = operand(x2, recipe.forward, role="activation")
@@ -177,6 +174,46 @@ def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
         for w in kernels
     )  # fmt: skip
     return outs, _backward_operands(x, kernels, recipe)
+
+
+def _project_quantized(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe):
+    """:func:`_project_forward` per tensor, from ``x`` already quantized (``xq``)."""
+    wqs = tuple(quantize(w, recipe.forward) for w in kernels)
+    outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
+    return outs, (xq, wqs)
+
+
+def _fused_mode(recipe: Fp8Recipe) -> str | None:
+    """``"pallas"`` / ``"interpret"`` where the COAT ops' forwards run
+    :mod:`pallas_kernels.fused_quantize` (per-tensor FP8 forward GEMMs, no multi-device mesh:
+    the kernels see whole arrays), else ``None``."""
+    if recipe.scaling != "tensor" or recipe.forward_gemm != "fp8":
+        return None
+    mode = dispatch.resolve(recipe.fused_quantize, "fused_quantize")
+    if mode == "reference" or dispatch.multi_device_mesh() is not None:
+        return None
+    return mode
+
+
+def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Recipe, mode: str):
+    """``(outs, saved inputs, operand)`` of a COAT op's forward through the fused kernels:
+    ``inputs (..., c)`` saved in 1x``saved_group`` groups, ``fn`` of them quantized per tensor
+    and multiplied by each kernel."""
+    lead, cols = inputs[0].shape[:-1], inputs[0].shape[-1]
+    saved, yq = fused_quantize.save_and_operand(
+        tuple(x.reshape(-1, cols) for x in inputs), fn, extras, saved_fmt=recipe.saved,
+        group=recipe.saved_group, operand_fmt=recipe.forward, whole_rows=whole_rows,
+        interpret=mode == "interpret",
+    )  # fmt: skip
+    groups = cols // recipe.saved_group
+    saved = tuple(
+        QuantizedArray(q.data.reshape(*lead, groups, -1), q.amax.reshape(*lead, groups), None,
+                       cols)  # fmt: skip
+        for q in saved
+    )
+    yq = QuantizedArray(yq.data.reshape(*lead, cols), yq.amax)
+    outs, (_, w_saved) = _project_quantized(yq, kernels, inputs[0].dtype, recipe)
+    return outs, saved, yq.amax, w_saved
 
 
 def _backward_operands(x, kernels, recipe: Fp8Recipe):
@@ -280,6 +317,14 @@ def _fp8_norm_project(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
 
 def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     del w_dtypes
+    mode = _fused_mode(recipe)
+    if mode is not None:
+        dtype = x.dtype
+        fn = lambda xd, *scale: norm_fp32(xd, *(scale or (None,)), eps, kind).astype(dtype)
+        extras = () if norm_scale is None else (norm_scale,)
+        outs, (xg,), y_amax, w_saved = _fused_forward((x,), fn, extras, kernels, True, recipe,
+                                                      mode)  # fmt: skip
+        return outs, (xg, norm_scale, y_amax, w_saved)
     xg = _save_groups(x, recipe)
     y = norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
     outs, (yq, w_saved) = _project_forward(y, kernels, x.dtype, recipe)
@@ -325,8 +370,14 @@ def _fp8_swiglu_project(w_dtype, recipe, gate, up, kernel):
 
 def _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel):
     del w_dtype
-    gq, uq = _save_groups(gate, recipe), _save_groups(up, recipe)
     dtype = gate.dtype
+    mode = _fused_mode(recipe)
+    if mode is not None:
+        fn = lambda g, u: swiglu_fp32(g, u).astype(dtype)
+        (out,), (gq, uq), h_amax, w_saved = _fused_forward((gate, up), fn, (), (kernel,), False,
+                                                           recipe, mode)  # fmt: skip
+        return out, (gq, uq, h_amax, w_saved)
+    gq, uq = _save_groups(gate, recipe), _save_groups(up, recipe)
     h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
     (out,), (hq, w_saved) = _project_forward(h, (kernel,), dtype, recipe)
     return out, (gq, uq, _amax(hq), w_saved)

@@ -1,0 +1,159 @@
+"""pallas_kernels.fused_quantize: COAT's norm / SwiGLU forwards with quantization inside the op.
+The kernels run in Pallas interpret mode here (on a Hopper GPU compiled, marker ``gpu``)."""
+
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coat_jax.core.formats import get_format
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.models import nn
+from coat_jax.models.policy import get_policy
+from coat_jax.ops import flow
+from coat_jax.ops.plain import norm_fp32, swiglu_fp32
+from coat_jax.training import residuals
+from pallas_kernels import fused_quantize as fq
+
+E4M3 = get_format("e4m3")
+FORMATS = dict(saved_fmt=E4M3, group=16, operand_fmt=E4M3)
+REFERENCE, INTERPRET = Fp8Recipe(fused_quantize="reference"), Fp8Recipe(fused_quantize="interpret")
+
+
+def fresh_key():
+    return jax.random.key(secrets.randbits(31))
+
+
+def codes(q):
+    return np.asarray(q.data, np.float32)
+
+
+def assert_same(got, want):
+    """Saved copies and operand: codes and scales bit for bit."""
+    for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):
+        np.testing.assert_array_equal(codes(g), codes(w))
+        np.testing.assert_array_equal(g.amax, w.amax)
+
+
+def op_cases():
+    rms = lambda xd, s: norm_fp32(xd, s, 1e-5, "rms").astype(jnp.bfloat16)
+    layer = lambda xd: norm_fp32(xd, None, 1e-5, "layer").astype(jnp.bfloat16)
+    swiglu = lambda g, u: swiglu_fp32(g, u).astype(jnp.bfloat16)
+    return {"rms": (rms, 1, 1, True), "layer": (layer, 1, 0, True), "swiglu": (swiglu, 2, 0, False)}
+
+
+@pytest.mark.parametrize("op", ["rms", "layer", "swiglu"])
+@pytest.mark.parametrize("shape", [(64, 256), (48, 1024), (8, 352)])  # 352: swiglu tiles of 32
+def test_kernels_equal_the_reference_bit_for_bit(op, shape):
+    """Under jit (as in a step) both trace the same encode / decode / op on the same values."""
+    fn, n_inputs, n_extras, whole_rows = op_cases()[op]
+    keys = jax.random.split(fresh_key(), 3)
+    inputs = tuple((jax.random.normal(k, shape) * 3).astype(jnp.bfloat16) for k in keys[:n_inputs])
+    extras = (1 + 0.1 * jax.random.normal(keys[2], shape[-1:]),)[:n_extras]
+    tuning = fq.FusedQuantizeTuning(block_rows=8, block_cols=32)
+    got = jax.jit(lambda i, e: fq.save_and_operand(i, fn, e, whole_rows=whole_rows,
+                                                   tuning=tuning, interpret=True, **FORMATS)
+                  )(inputs, extras)  # fmt: skip
+    want = jax.jit(lambda i, e: fq.save_and_operand_reference(i, fn, e, **FORMATS))(inputs, extras)
+    assert_same(got, want)
+
+
+def test_the_tensor_amax_is_the_max_of_tile_maxima_and_skips_non_finite():
+    """A NaN and an Inf input stay out of the operand's scale (as the reference's)."""
+    x = jax.random.normal(fresh_key(), (32, 64)).astype(jnp.bfloat16)
+    x = x.at[3, 5].set(jnp.nan).at[7, 9].set(jnp.inf)
+    fn = lambda g, u: swiglu_fp32(g, u).astype(jnp.bfloat16)
+    tuning = fq.FusedQuantizeTuning(block_rows=8, block_cols=16)
+    got = jax.jit(lambda x: fq.save_and_operand((x, x), fn, whole_rows=False, tuning=tuning,
+                                                interpret=True, **FORMATS))(x)  # fmt: skip
+    want = jax.jit(lambda x: fq.save_and_operand_reference((x, x), fn, **FORMATS))(x)
+    assert np.isfinite(float(got[1].amax))
+    assert_same(got, want)
+
+
+def test_rows_that_do_not_fit_a_tile_fall_back_to_the_reference():
+    """A norm over 5120 (not a power of two: no whole-row tile) runs the reference, no error."""
+    x = jax.random.normal(fresh_key(), (4, 5120)).astype(jnp.bfloat16)
+    fn = lambda xd: norm_fp32(xd, None, 1e-5, "layer").astype(jnp.bfloat16)
+    got = jax.jit(lambda x: fq.save_and_operand((x,), fn, whole_rows=True, interpret=True,
+                                                **FORMATS))(x)  # fmt: skip
+    assert_same(got, jax.jit(lambda x: fq.save_and_operand_reference((x,), fn, **FORMATS))(x))
+
+
+FLOW_OPS = {
+    "norm_project": lambda r, x, s, u, ws: flow.fp8_norm_project(x, s, ws, 1e-5, r),
+    "layer_norm_project": lambda r, x, s, u, ws: flow.fp8_norm_project(x, None, ws, 1e-5, r,
+                                                                       "layer"),  # fmt: skip
+    "swiglu_project": lambda r, x, s, u, ws: (flow.fp8_swiglu_project(x, u, ws[0], r),),
+}
+
+
+@pytest.mark.parametrize("op", sorted(FLOW_OPS))
+def test_flow_ops_with_the_kernels_equal_the_unfused_ops(op):
+    """``Fp8Recipe(fused_quantize="interpret")``: outputs and all gradients of the COAT ops
+    bit for bit those of the XLA ops (same saved residuals, same operands). The inputs are
+    arguments of the step: an input computed in the same jit may be kept in excess precision
+    by XLA's fusions where the kernel reads its rounded value."""
+    kx, ku, ks, k1, k2, kc = jax.random.split(fresh_key(), 6)
+    x, u = (jax.random.normal(k, (2, 16, 128)).astype(jnp.bfloat16) for k in (kx, ku))
+    scale = (1 + 0.1 * jax.random.normal(ks, (128,))).astype(jnp.bfloat16)
+    ws = (jax.random.normal(k1, (128, 64)) * 0.05, jax.random.normal(k2, (128, 32)) * 0.05)
+    cot = jax.random.normal(kc, (2, 16, 64)).astype(jnp.bfloat16)
+
+    def run(recipe):
+        def loss(x, scale, u, ws):
+            return jnp.sum(FLOW_OPS[op](recipe, x, scale, u, ws)[0].astype(jnp.float32) * cot)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, scale, u, ws)
+
+    (got, got_grads), (want, want_grads) = run(INTERPRET), run(REFERENCE)
+    np.testing.assert_array_equal(got, want)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_fused_forward_saves_no_more_bytes():
+    """A COAT block saves the same activation bytes with the kernels as without."""
+    h, t = 64, 16
+
+    def saved(recipe):
+        block = nn.Block(h, 4, 4, 192, policy=get_policy("coat", recipe), rngs=nnx.Rngs(0))
+        graph, params = nnx.split(block)
+
+        def f(x, params):
+            return nnx.merge(graph, params)(x, jnp.broadcast_to(jnp.arange(t), x.shape[:2]))
+
+        args = lambda b: (jax.random.normal(jax.random.key(b), (b, t, h), jnp.bfloat16), params)
+        return residuals.activation_bytes_per_example(args, f)
+
+    assert saved(INTERPRET) == saved(REFERENCE)
+
+
+def test_the_kernels_stay_out_of_other_recipes_and_pallas_needs_a_gpu():
+    assert flow._fused_mode(Fp8Recipe(fused_quantize="interpret", scaling="row")) is None
+    assert flow._fused_mode(Fp8Recipe(fused_quantize="interpret", forward_gemm="bf16")) is None
+    assert flow._fused_mode(Fp8Recipe()) is None  # auto: not measured faster yet
+    with pytest.raises(ValueError, match="fused_quantize"):
+        Fp8Recipe(fused_quantize="triton")
+    with pytest.raises(ValueError, match="Hopper"):
+        flow._fused_mode(Fp8Recipe(fused_quantize="pallas"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms", "swiglu"])
+def test_compiled_kernels_equal_the_reference_on_a_gpu(op):
+    """Compiled for the GPU (Triton): the 7B shapes' rows (hidden 4096, MLP 11008)."""
+    fn, n_inputs, n_extras, whole_rows = op_cases()[op]
+    shape = (4096, 4096) if op == "rms" else (4096, 11008)
+    keys = jax.random.split(fresh_key(), 3)
+    inputs = tuple((jax.random.normal(k, shape) * 3).astype(jnp.bfloat16) for k in keys[:n_inputs])
+    extras = (1 + 0.1 * jax.random.normal(keys[2], shape[-1:]),)[:n_extras]
+    got = jax.jit(lambda i, e: fq.save_and_operand(i, fn, e, whole_rows=whole_rows,
+                                                   **FORMATS))(inputs, extras)  # fmt: skip
+    want = jax.jit(lambda i, e: fq.save_and_operand_reference(i, fn, e, **FORMATS))(inputs, extras)
+    for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):  # a GPU's rsqrt and
+        mismatch = np.mean(codes(g) != codes(w))  # reductions may round differently
+        assert mismatch < 1e-3, mismatch
