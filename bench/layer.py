@@ -27,20 +27,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coat_jax.core import measure
+from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models import nn
 from coat_jax.models.policy import POLICIES, get_policy
 
 F8_GEMM = "__cublas$lt$matmul$f8"
 
 
+VARIANTS = {"coat+fused": ("coat", Fp8Recipe(fused_quantize="pallas"))}
+"""Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels."""
+
+
 def run_policy(args) -> dict:
-    """Measures one policy in this process."""
+    """Measures one policy (or a :data:`VARIANTS` row) in this process."""
+    name, recipe = VARIANTS.get(args.policy, (args.policy, None))
     block = nn.Block(
         args.hidden,
         args.heads,
         args.kv_heads,
         args.ffn,
-        policy=get_policy(args.policy),
+        policy=get_policy(name, recipe),
         rngs=nnx.Rngs(0),
     )
     graph, params = nnx.split(block)
@@ -89,7 +95,10 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--policy", choices=sorted(POLICIES), help="measure one policy only")
+    parser.add_argument("--policy", choices=sorted([*POLICIES, *VARIANTS]),
+                        help="measure one policy only")  # fmt: skip
+    parser.add_argument("--fused", action="store_true",
+                        help="add a row: COAT with Fp8Recipe(fused_quantize='pallas')")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -97,7 +106,7 @@ def main():
         return
 
     rows = []
-    for policy in ("bf16", "fp8_linear", "coat"):
+    for policy in ("bf16", "fp8_linear", "coat", *(["coat+fused"] if args.fused else [])):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements that code landed on 2026-12-01 without a GPU waits for, on one
+# H200, in two calls of at most ~9.5 minutes each (device limit: 10 minutes a command):
+#
+#   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
+#                                      weight-gradient GEMM, the fused quantize kernels), then
+#                                      one 7B block per policy with and without the fused
+#                                      quantize kernels (issue 24), then Llama-2-13B's memory
+#                                      plan and largest batch on one H200 (issue 18)
+#   PART=2 bash bench/pending_gpu.sh   Llama-2-13B through train.py at the planner's largest
+#                                      batch (peak, tokens/s, MFU; issue 18), and the 7B
+#                                      largest batch with bf16 gradients + chunked loss
+#
+# OUT (default bench/results) receives logs and JSON. Allocator: train.py's (preallocate, 0.95)
+# unless XLA_PYTHON_CLIENT_* are exported.
+source "$(dirname "$0")/gpu_env.sh"
+
+case "${PART:-1}" in
+1)
+  echo "== gpu tests: bf16 weight-gradient GEMMs, fused quantize kernels"
+  timeout 150 $PY -m pytest -q -x -m gpu tests/test_gpu.py tests/test_pallas_fused_quantize.py \
+    2>&1 | tail -15
+  echo "== one Llama-2-7B block, batch 4: bf16, fp8_linear, coat, coat + fused quantize"
+  timeout 200 $PY bench/layer.py --fused --json "$OUT/layer_fused_h200_$DAY.json" 2>&1 | tail -9
+  echo "== Llama-2-13B on one H200: memory plan and largest batch"
+  timeout 200 $PY train.py --config configs/llama2_13b.py --dry_run \
+    --config.workdir=/tmp/pending_13b 2>&1 | tee "$OUT/plan_llama2_13b_h200_$DAY.txt" | tail -25
+  ;;
+2)
+  echo "== Llama-2-13B through train.py at the largest batch (12 steps)"
+  timeout 330 $PY train.py --config configs/llama2_13b.py --config.batch_size=-1 \
+    --config.steps=12 --config.log_interval=4 --config.eval_interval=1000 \
+    --config.checkpoint_interval=0 --config.workdir=/tmp/pending_13b_run \
+    2>&1 | tee "$OUT/train_llama2_13b_h200_$DAY.txt" | tail -8
+  echo "== Llama-2-7B COAT largest batch: bf16 gradients + chunked loss vs the default"
+  timeout 230 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw \
+    --set grad_dtype=bfloat16 --set model.loss_chunk=512 --time_budget_s 200 \
+    --json "$OUT/e2e_llama2_7b_bf16grads_chunked_h200_$DAY.json" 2>&1 | tail -8
+  ;;
+esac
