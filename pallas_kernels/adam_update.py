@@ -18,6 +18,11 @@ dtype as the chain does), without materialising ``u`` or the update. Bytes per p
 read + write 8, fp32 gradient 4 (bf16: 2), moments read + write 2 x 2 x 1.04 = 4.2: 16.2
 (14.2 with bf16 gradients), against ``optax.adamw``'s 28.
 
+BF16 master weights (:mod:`coat_jax.core.master`): with ``remainder`` the parameter comes as
+its BF16 part and int16 (or int8) remainder; the kernel rebuilds :math:`\theta` from both,
+updates it as above and writes both parts back (:math:`\theta'` never leaves the chip): 4 (or
+3) bytes read and written per parameter instead of 8, and no fp32 copy in memory.
+
 :func:`leaf_kernel` is the Pallas Triton kernel (the tile layout, per-tile math and tuning of
 :mod:`pallas_kernels.adam_step`); :func:`leaf_reference` its jnp twin, op for op as the chain
 computes. The whole-tree update, its dispatch between the two and its per-shard runs under a
@@ -33,12 +38,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from coat_jax.core import adam
+from coat_jax.core import adam, master
 from coat_jax.core.adam import AdamCoefficients
 from pallas_kernels import adam_step, dispatch
 from pallas_kernels.adam_step import AdamStepTuning
 
-__all__ = ["N_HYPER", "kernel_takes", "leaf_kernel", "leaf_reference", "update_vector"]
+__all__ = [
+    "N_HYPER",
+    "kernel_takes",
+    "leaf_kernel",
+    "leaf_reference",
+    "leaf_reference_parts",
+    "update_vector",
+]
 
 _TUNING = AdamStepTuning()
 N_HYPER = 16
@@ -82,44 +94,69 @@ def leaf_reference(p, g, mu, nu, hyper, decay: bool):
     return new_p.astype(p.dtype), new_mu, new_nu
 
 
-def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING) -> bool:
-    """Whether :func:`leaf_kernel` takes this leaf (else run :func:`leaf_reference`)."""
+def leaf_reference_parts(hi, remainder, g, mu, nu, hyper, decay: bool):
+    """:func:`leaf_reference` on the weight rebuilt from its BF16 part ``hi`` and
+    ``remainder`` (:mod:`coat_jax.core.master`); returns ``(new_hi, new_remainder, new_mu,
+    new_nu)``, the remainder with as many bits as it came with."""
+    bits = 8 * jnp.dtype(remainder.dtype).itemsize
+    new_p, new_mu, new_nu = leaf_reference(master.join(hi, remainder), g, mu, nu, hyper, decay)
+    return (*master.split(new_p, bits), new_mu, new_nu)
+
+
+def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING, remainder=None) -> bool:
+    """Whether :func:`leaf_kernel` takes this leaf (else run :func:`leaf_reference`): an fp32
+    ``p``, or a BF16 ``p`` with its ``remainder`` (int16 or int8, ``p``'s shape)."""
+    if remainder is None:
+        weight = p.dtype == jnp.float32
+    else:
+        weight = p.dtype == jnp.bfloat16 and remainder.shape == p.shape and remainder.dtype in (
+            jnp.dtype(jnp.int16), jnp.dtype(jnp.int8))  # fmt: skip
     return (
         adam_step.supported(mu, nu, tuning)
-        and p.dtype == jnp.float32
+        and weight
         and p.shape == g.shape == mu.shape
         and mu.data.shape[-1] == nu.data.shape[-1]
     )
 
 
-def leaf_kernel(p, g, mu, nu, hyper, decay: bool, *, tuning=_TUNING, interpret=False):
-    """The fused kernel on one leaf (layouts :func:`adam_step.supported` takes, fp32 ``p``).
+def leaf_kernel(p, g, mu, nu, hyper, decay: bool, *, remainder=None, tuning=_TUNING,
+                interpret=False):  # fmt: skip
+    """The fused kernel on one leaf (layouts :func:`adam_step.supported` takes, fp32 ``p``, or
+    BF16 ``p`` with its master-weight ``remainder``).
 
-    Returns ``(new_p, new_mu, new_nu)``; the outputs alias ``p`` and the moments' arrays.
+    Returns ``(new_p, new_mu, new_nu)``, with a remainder ``(new_p, new_remainder, new_mu,
+    new_nu)``; the outputs alias the inputs' arrays.
     """
-    if not kernel_takes(p, g, mu, nu, tuning):
+    if not kernel_takes(p, g, mu, nu, tuning, remainder):
         raise ValueError("adam_update.leaf_kernel: unsupported layout; use leaf_reference")
     dispatch.check_compiled(interpret, "pallas_kernels.adam_update")
     n, group, br = adam_step.group_rows(mu, tuning)
+    weight = (p.reshape(n, group),)
+    if remainder is not None:
+        weight += (remainder.reshape(n, group),)
     outs = _call(
-        p.reshape(n, group), g.reshape(n, group), jnp.asarray(hyper, jnp.float32).reshape(1, -1),
+        *weight, g.reshape(n, group), jnp.asarray(hyper, jnp.float32).reshape(1, -1),
         *adam_step.moment_operands(mu, nu, n, group),
-        static=(mu.fmt, nu.fmt, mu.expanded, br, bool(decay), tuning, interpret),
+        static=(mu.fmt, nu.fmt, mu.expanded, br, bool(decay), tuning, interpret, len(weight)),
     )  # fmt: skip
-    new_mu, new_nu = adam_step.rebuild(mu, outs[1:])
-    return outs[0].reshape(p.shape), new_mu, new_nu
+    k = len(weight)
+    new_mu, new_nu = adam_step.rebuild(mu, outs[k:])
+    return (*(o.reshape(p.shape) for o in outs[:k]), new_mu, new_nu)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def _call(p, g, hyper, *moments, static):
-    mu_fmt, nu_fmt, expanded, br, decay, tuning, interpret = static
-    n, group = p.shape
+def _call(*arrays, static):
+    mu_fmt, nu_fmt, expanded, br, decay, tuning, interpret, k = static
+    weight, (g, hyper), moments = arrays[:k], arrays[k : k + 2], arrays[k + 2 :]
+    n, group = weight[0].shape
+    bits = 8 * weight[1].dtype.itemsize if k == 2 else None
     log = adam_step.log_fn(tuning, interpret)
     specs, shapes = adam_step.moment_specs(n, group, br, expanded, mu_fmt, nu_fmt)
     n_mom = len(specs)
 
-    def kernel(p_ref, g_ref, h_ref, *refs):
-        ins, outs = refs[:n_mom], refs[n_mom:]
+    def kernel(*refs):
+        w_refs, (g_ref, h_ref), ins = refs[:k], refs[k : k + 2], refs[k + 2 : k + 2 + n_mom]
+        outs = refs[k + 2 + n_mom :]
         coeffs, neg_lr, wd, clip = _read_vector([h_ref[0, i] for i in range(11)])
         m_state, v_state = adam_step.read_moments(ins, expanded)
         u, new_m, new_v = adam_step.moment_update(
@@ -127,17 +164,24 @@ def _call(p, g, hyper, *moments, static):
             mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, log=log,
         )  # fmt: skip
         u = u.astype(g.dtype).astype(jnp.float32)  # the chain's u has the gradient's dtype
-        outs[0][...] = _step(p_ref[...], u, neg_lr, wd, decay, g.dtype)
-        adam_step.write_moments(outs[1:], new_m, new_v, expanded)
+        p = w_refs[0][...] if bits is None else master.join(w_refs[0][...], w_refs[1][...])
+        new_p = _step(p, u, neg_lr, wd, decay, g.dtype)
+        if bits is None:
+            outs[0][...] = new_p
+        else:  # the new weight leaves the chip as its two parts only
+            outs[0][...], outs[1][...] = master.split(new_p, bits)
+        adam_step.write_moments(outs[k:], new_m, new_v, expanded)
 
     tile = pl.BlockSpec((br, group), lambda i: (i, 0))
+    weight_shapes = [jax.ShapeDtypeStruct((n, group), w.dtype) for w in weight]
     return pl.pallas_call(
         kernel,
         grid=(n // br,),
-        in_specs=[tile, tile, pl.BlockSpec((1, N_HYPER), lambda i: (0, 0)), *specs],
-        out_specs=[tile, *specs],
-        out_shape=[jax.ShapeDtypeStruct((n, group), jnp.float32), *shapes],
-        input_output_aliases={0: 0, **{3 + j: 1 + j for j in range(n_mom)}},
+        in_specs=[*[tile] * k, tile, pl.BlockSpec((1, N_HYPER), lambda i: (0, 0)), *specs],
+        out_specs=[*[tile] * k, *specs],
+        out_shape=[*weight_shapes, *shapes],
+        input_output_aliases={**{j: j for j in range(k)},
+                              **{k + 2 + j: k + j for j in range(n_mom)}},  # fmt: skip
         compiler_params=adam_step.compiler_params(tuning),
         interpret=interpret,
-    )(p, g, hyper, *moments)
+    )(*weight, g, hyper, *moments)

@@ -44,6 +44,9 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # The full AdamW update (pallas_kernels/adam_update.py), same run: 9.37 ms against its
     # XLA reference's 16.32 ms; compiled tests pass there.
     "adam_update": True,
+    # The same kernel reading and writing BF16 master weights' parts (2026-12-01): CPU-tested
+    # in interpret mode only; until measured, "auto" rebuilds fp32 around the kernel above.
+    "adam_update_parts": False,
     # The COAT norm / SwiGLU forwards with quantization inside (pallas_kernels/fused_quantize.py,
     # 2026-12-01): CPU-tested in interpret mode only, not yet compiled or timed on a GPU.
     "fused_quantize": False,

@@ -8,6 +8,7 @@ import pytest
 
 import coat_jax
 from coat_jax.core import adam as adam_math
+from coat_jax.core import master
 from coat_jax.ops import fused_update
 from pallas_kernels import adam_step, adam_update, dispatch
 
@@ -167,7 +168,8 @@ def test_mask_must_be_static_and_wrapper_is_exported():
 
 @pytest.mark.parametrize("approx_log", [True, False])
 def test_kernels_lower_to_triton_for_cuda(approx_log):
-    """Without a GPU: both optimizer kernels (inline PTX log included) lower to Triton IR."""
+    """Without a GPU: both optimizer kernels (inline PTX log included), the update also on BF16
+    master weights' parts (int16 and int8 remainders), lower to Triton IR."""
     params, grads, state, _ = fresh(jnp.float32, steps=0)
     p, g, (mu, nu) = params["w"], grads["w"], leaf_moments(state, "w")
     tuning = adam_step.AdamStepTuning(approx_log=approx_log)
@@ -175,9 +177,13 @@ def test_kernels_lower_to_triton_for_cuda(approx_log):
     moments = adam_step.moment_operands(mu, nu, n, group)
     flat = lambda a: a.reshape(n, group)
     static = (mu.fmt, nu.fmt, True, br)
+    hyper = jnp.zeros((1, adam_update.N_HYPER))
+    parts = [master.split(p, bits) for bits in (16, 8)]
     lowered = [
-        adam_update._call.trace(flat(p), flat(g), jnp.zeros((1, adam_update.N_HYPER)), *moments,
-                                static=(*static, True, tuning, False)),
+        adam_update._call.trace(flat(p), flat(g), hyper, *moments,
+                                static=(*static, True, tuning, False, 1)),
+        *(adam_update._call.trace(flat(hi), flat(r), flat(g), hyper, *moments,
+                                  static=(*static, True, tuning, False, 2)) for hi, r in parts),
         adam_step._call.trace(flat(g), jnp.zeros((1, 8)), *moments,
                               static=(*static, tuning, False)),
     ]  # fmt: skip

@@ -157,3 +157,18 @@ def test_compiled_kernels_equal_the_reference_on_a_gpu(op):
     for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):  # a GPU's rsqrt and
         mismatch = np.mean(codes(g) != codes(w))  # reductions may round differently
         assert mismatch < 1e-3, mismatch
+
+
+@pytest.mark.parametrize("op", ["rms", "layer", "swiglu"])
+def test_kernels_lower_to_triton_for_cuda(op, monkeypatch):
+    """Without a GPU: both passes of each op lower to Triton IR (every primitive they trace
+    has a Triton lowering) at the 7B block's shapes."""
+    monkeypatch.setattr(fq.dispatch, "check_compiled", lambda *a, **k: None)
+    fn, n_inputs, n_extras, whole_rows = op_cases()[op]
+    shape = (4096, 4096) if whole_rows else (4096, 11008)
+    inputs = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(n_inputs))
+    extras = (jax.ShapeDtypeStruct(shape[-1:], jnp.float32),)[:n_extras]
+    traced = jax.jit(lambda i, e: fq.save_and_operand(i, fn, e, whole_rows=whole_rows,
+                                                      **FORMATS)).trace(inputs, extras)  # fmt: skip
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2, text.count("__gpu$xla.gpu.triton")

@@ -126,6 +126,29 @@ FUSED_SCRIPT = textwrap.dedent(
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             assert np.mean(a != b) < 1e-3, shape
 
+    # BF16 master weights: on each shard the kernel reads and writes the BF16 part and the
+    # 16-bit remainder (they shard like the parameter), as on one device
+    from coat_jax.core import master
+    is_part = lambda x: isinstance(x, tuple)
+    parts = jax.tree.map(master.split, params)
+    hi, rem = (jax.tree.map(lambda t: t[i], parts, is_leaf=is_part) for i in (0, 1))
+    parts_update = lambda h, r, g, s, **kw: update(h, g, s, kernels="interpret", remainder=r, **kw)
+    want = jax.jit(parts_update)(hi, rem, grads, state)
+    mesh = sharding.make_mesh(2, 2, 2)
+    pspec = sharding.param_specs(mesh, params)
+    ps = sharding.shardings(mesh, pspec)
+    ss = sharding.shardings(mesh, sharding.optimizer_specs(mesh, adam, state, pspec))
+    step = jax.jit(lambda h, r, g, s: parts_update(h, r, g, s, specs=pspec),
+                   in_shardings=(ps, ps, ps, ss), out_shardings=(ps, ps, ss))
+    sharded.clear()
+    with jax.set_mesh(mesh):
+        got = step(*jax.device_put((hi, rem, grads, state), (ps, ps, ps, ss)))
+    assert len(sharded) >= 6, sharded
+    assert {x.dtype for x in jax.tree.leaves(got[1])} == {jnp.dtype(jnp.int16)}
+    joined = lambda out: jax.tree.leaves(jax.tree.map(master.join, out[0], out[1]))
+    for a, b in zip(joined(got), joined(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=3e-8)
+
     # Groups aligned with the shards (last axes multiples of 128 x mesh size): every leaf
     # runs the kernel on its shard and the compiled update has no collectives at all.
     cfg = LlamaConfig(vocab_size=512, dim=1024, n_layers=1, n_heads=8, ffn_dim=2048)

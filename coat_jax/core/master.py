@@ -15,7 +15,7 @@ holds (NaN payloads included). Round-to-nearest-even would need :math:`r = +2^{1
 ties away from zero. Weights + remainder: 4 bytes, as fp32, of which the forward reads 2.
 
 The lossy 8-bit residual keeps :math:`r` rounded to a multiple of :math:`2^8`:
-:math:`r_8 = \operatorname{clip}(\operatorname{round}(r / 2^8), -128, 127)`, so the rebuilt
+:math:`r_8 = \min(\lfloor (r + 2^7) / 2^8 \rfloor, 127)` (to nearest, ties up), so the rebuilt
 weight is off by at most 1.5/256 of its BF16 spacing: under :math:`2^{-15}` relative (16
 significant bits instead of fp32's 24; 3 bytes a weight). Updates smaller than that are lost.
 
@@ -57,8 +57,8 @@ def split(w: jax.Array, bits: int = 16) -> tuple[jax.Array, jax.Array]:
     bits32 = jax.lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32)
     high = _high(bits32)
     r = jax.lax.bitcast_convert_type(bits32 - (high << 16), jnp.int32)  # in [-2^15, 2^15)
-    if bits == 8:
-        r = jnp.clip(jnp.round(r.astype(jnp.float32) / 256.0), -128, 127).astype(jnp.int32)
+    if bits == 8:  # nearest multiple of 2^8, ties up; integer ops only (Triton has no round)
+        r = jnp.minimum((r + 128) >> 8, 127)
     hi = jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.bfloat16)
     return hi, r.astype(dtype)
 

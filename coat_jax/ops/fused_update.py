@@ -25,9 +25,10 @@ with ``params`` and ``state`` donated to the jitted step, so the kernel updates 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from coat_jax.core import adam, quant
+from coat_jax.core import adam, master, quant
 from coat_jax.core.adam import ScaleByFp8AdamState
 from coat_jax.ops import sharding
 from pallas_kernels import adam_update, dispatch
@@ -51,11 +52,15 @@ def _local_specs(p, mu, p_spec, mesh):
     return P(*spec), P(*lead, last)
 
 
-def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret):
+def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret,
+                  remainder=None):  # fmt: skip
     """The kernel on every device's shard (``jax.shard_map``): the update is elementwise within
-    a group, so each device updates its own parameter rows and their FP8 groups."""
+    a group, so each device updates its own parameter rows and their FP8 groups (and, with BF16
+    master weights, their remainders, which shard like the parameter)."""
     p_spec, group_spec = specs
     expanded = mu.expanded
+    weight = (p,) if remainder is None else (p, remainder)
+    k = len(weight)
 
     def arrays(q):
         codes, amax, k = quant.param_layout(q)
@@ -64,25 +69,26 @@ def _leaf_sharded(p, g, mu, nu, hyper, decay, specs, mesh, *, tuning, interpret)
     def rebuild(a):
         return quant.from_param_layout(a[0], a[1], a[2] if expanded else None)
 
-    def local(p, g, hyper, *moments):
+    def local(*args):
+        w, (g, hyper), moments = args[:k], args[k : k + 2], args[k + 2 :]
         half = len(moments) // 2
-        new_p, new_mu, new_nu = adam_update.leaf_kernel(
-            p, g, rebuild(moments[:half]), rebuild(moments[half:]), hyper, decay,
-            tuning=tuning, interpret=interpret,
+        *new_w, new_mu, new_nu = adam_update.leaf_kernel(
+            w[0], g, rebuild(moments[:half]), rebuild(moments[half:]), hyper, decay,
+            remainder=w[1] if k == 2 else None, tuning=tuning, interpret=interpret,
         )  # fmt: skip
-        return new_p, *arrays(new_mu), *arrays(new_nu)
+        return *new_w, *arrays(new_mu), *arrays(new_nu)
 
     moment_specs = [p_spec, group_spec, *([group_spec] if expanded else [])] * 2
     P = jax.sharding.PartitionSpec
     outs = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(p_spec, p_spec, P(), *moment_specs),
-        out_specs=(p_spec, *moment_specs),
+        in_specs=(*[p_spec] * k, p_spec, P(), *moment_specs),
+        out_specs=(*[p_spec] * k, *moment_specs),
         check_vma=False,
-    )(p, g, hyper, *arrays(mu), *arrays(nu))
-    half = (len(outs) - 1) // 2
-    return outs[0], rebuild(outs[1 : 1 + half]), rebuild(outs[1 + half :])
+    )(*weight, g, hyper, *arrays(mu), *arrays(nu))
+    half = (len(outs) - k) // 2
+    return (*outs[:k], rebuild(outs[k : k + half]), rebuild(outs[k + half :]))
 
 
 def fp8_adamw_update(
@@ -101,6 +107,7 @@ def fp8_adamw_update(
     kernels: str = "auto",
     tuning: AdamStepTuning = _TUNING,
     specs=None,
+    remainder=None,
 ):
     """One AdamW step with FP8 moments, fused per leaf (math in the module docstring).
 
@@ -119,10 +126,31 @@ def fp8_adamw_update(
       specs: under a multi-device mesh (``jax.set_mesh``), the ``PartitionSpec`` of each
         parameter (the params' structure): the kernel then runs on every device's shard.
         Without it, ``"auto"`` takes the XLA reference there and the kernel modes raise.
+      remainder: BF16 master weights (:mod:`coat_jax.ops.master_weights`): ``params`` are the
+        BF16 parts and this the remainders (int16 or int8, the params' structure). The kernel
+        reads and writes both parts where the ``"adam_update_parts"`` family runs
+        (``pallas`` / ``interpret``; ``"auto"``: where measured faster), else each weight is
+        rebuilt in fp32 around the fp32 path and split after it.
 
     Returns:
-      ``(new_params, new_state)``.
+      ``(new_params, new_state)``; with ``remainder``, ``(new_params, new_remainder,
+      new_state)``.
     """
+    if remainder is not None and dispatch.resolve(kernels, "adam_update_parts") == "reference":
+        bits = {jnp.dtype(r.dtype).itemsize * 8 for r in jax.tree.leaves(remainder)}
+        if len(bits) > 1:
+            raise ValueError(f"fp8_adamw_update: remainders of mixed widths {sorted(bits)}")
+        weights = jax.tree.map(master.join, params, remainder)
+        weights, state = fp8_adamw_update(
+            weights, grads, state, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+            weight_decay=weight_decay, mask=mask, clip_scale=clip_scale, kernels=kernels,
+            tuning=tuning, specs=specs,
+        )  # fmt: skip
+        width = bits.pop() if bits else 16
+        parts = jax.tree.map(lambda w: master.split(w, width), weights)
+        is_part = lambda x: isinstance(x, tuple)
+        return (jax.tree.map(lambda t: t[0], parts, is_leaf=is_part),
+                jax.tree.map(lambda t: t[1], parts, is_leaf=is_part), state)  # fmt: skip
     mode = dispatch.resolve(kernels, "adam_update")
     mesh = dispatch.multi_device_mesh()
     sharded = mesh is not None
@@ -141,6 +169,7 @@ def fp8_adamw_update(
 
     flat_p, treedef = jax.tree.flatten(params)
     flat_g = treedef.flatten_up_to(grads)
+    flat_r = [None] * len(flat_p) if remainder is None else treedef.flatten_up_to(remainder)
     flat_mu, flat_nu = adam.moments(state, treedef)
     flat_specs = treedef.flatten_up_to(specs) if sharded and specs is not None else None
     flat_specs = flat_specs or [None] * len(flat_p)
@@ -152,19 +181,25 @@ def fp8_adamw_update(
             raise TypeError("fp8_adamw_update: mask leaves must be Python bools (static)")
     out = []
     interpret = mode == "interpret"
-    leaves = zip(flat_p, flat_g, flat_mu, flat_nu, flat_mask, flat_specs, strict=True)
-    for p, g, mu, nu, decay, p_spec in leaves:
-        takes = mode != "reference" and adam_update.kernel_takes(p, g, mu, nu, tuning)
+    leaves = zip(flat_p, flat_r, flat_g, flat_mu, flat_nu, flat_mask, flat_specs, strict=True)
+    for p, r, g, mu, nu, decay, p_spec in leaves:
+        takes = mode != "reference" and adam_update.kernel_takes(p, g, mu, nu, tuning, r)
         local = _local_specs(p, mu, p_spec, mesh) if takes and sharded else None
         if takes and not sharded:
-            out.append(adam_update.leaf_kernel(p, g, mu, nu, hyper, decay, tuning=tuning,
-                                               interpret=interpret))  # fmt: skip
+            out.append(adam_update.leaf_kernel(p, g, mu, nu, hyper, decay, remainder=r,
+                                               tuning=tuning, interpret=interpret))  # fmt: skip
         elif local is not None:
             out.append(_leaf_sharded(p, g, mu, nu, hyper, decay, local, mesh, tuning=tuning,
-                                     interpret=interpret))  # fmt: skip
+                                     interpret=interpret, remainder=r))  # fmt: skip
+        elif r is not None:
+            out.append(adam_update.leaf_reference_parts(p, r, g, mu, nu, hyper, decay))
         else:
             out.append(adam_update.leaf_reference(p, g, mu, nu, hyper, decay))
+    k = 1 if remainder is None else 2
     new_state = adam.from_moments(
-        state, treedef, count_inc, [o[1] for o in out], [o[2] for o in out]
+        state, treedef, count_inc, [o[k] for o in out], [o[k + 1] for o in out]
     )
-    return treedef.unflatten([o[0] for o in out]), new_state
+    new_params = treedef.unflatten([o[0] for o in out])
+    if remainder is None:
+        return new_params, new_state
+    return new_params, treedef.unflatten([o[1] for o in out]), new_state

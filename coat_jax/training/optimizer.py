@@ -119,7 +119,8 @@ def _counted(s) -> bool:
 def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     """``update(params, grads, opt_state) -> (params, opt_state)``: ``setup``'s step (clipping,
     FP8 AdamW, ``optax.apply_updates``) as one fused Pallas pass per parameter, or ``None``
-    where the kernel does not run.
+    where the kernel does not run. With BF16 master weights, ``update(params, grads,
+    opt_state, remainder) -> (params, remainder, opt_state)``.
 
     It runs for ``fp8_adamw`` when ``setup.kernels`` resolves to the compiled or interpreted
     ``adam_update`` kernel (``"auto"``: on a Hopper GPU once measured faster, see
@@ -136,22 +137,26 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     kernels = "interpret" if setup.kernels == "interpret" else "pallas"
     is_adam = lambda s: isinstance(s, ScaleByFp8AdamState)
 
-    def update(params, grads, opt_state):
+    def update(params, grads, opt_state, remainder=None):
         (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=_counted) if is_adam(s)]
         clip = 1.0
         if setup.grad_clip > 0:
             norm = global_norm_fp32(grads)
             clip = jnp.where(norm < setup.grad_clip, 1.0, setup.grad_clip / norm)
-        params, new_adam = fused_update.fp8_adamw_update(
+        # BF16 master weights: the parts kernel follows the config's own option ("auto": where
+        # measured faster, else fp32 rebuilt around the kernel above)
+        out = fused_update.fp8_adamw_update(
             params, grads, adam, setup.schedule, **setup.adamw, clip_scale=clip,
-            kernels=kernels, specs=specs,
+            kernels=kernels if remainder is None else setup.kernels, specs=specs,
+            remainder=remainder,
         )  # fmt: skip
+        *params, new_adam = out
 
         def advance(s):  # Adam's state, and every other count (the schedule's) with it
             if is_adam(s):
                 return new_adam
             return s._replace(count=new_adam.count) if _counted(s) else s
 
-        return params, jax.tree.map(advance, opt_state, is_leaf=_counted)
+        return (*params, jax.tree.map(advance, opt_state, is_leaf=_counted))
 
     return update

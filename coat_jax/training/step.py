@@ -116,6 +116,11 @@ def make_train_step(
         def update(state):
             if master_bits is None:
                 return fp32_update(*state)
+            if fused_update is not None:  # the kernel reads and writes the parts
+                params, opt_state = state
+                params, remainder, inner = fused_update(params, grads, opt_state.inner,
+                                                        opt_state.remainder)  # fmt: skip
+                return params, master_weights.MasterWeightsState(remainder, inner)
             return master_weights.apply_exactly(*state, master_bits, fp32_update)
 
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
