@@ -8,6 +8,7 @@ import pytest
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.training import configs
 from coat_jax.training.optimizer import make_optimizer
+from pallas_kernels.dispatch import hopper_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -70,6 +71,9 @@ def test_fp8_keys_make_the_models_recipe():
         ("fp8.saved_group", 48, "config.model: LlamaConfig.dim=64 must be a multiple of 48"),
         ("batch_size", -2, "config.batch_size must be a positive int"),
         ("memory_limit_gb", -1.0, "config.memory_limit_gb"),
+        ("fp8.fused_quantize", "triton", "config.fp8: Fp8Recipe.fused_quantize='triton'"),
+        ("optimizer.master_weights", "fp16", "config.optimizer.master_weights='fp16'"),
+        ("model.loss_chunk", -1, "LlamaConfig.loss_chunk must be an int >= 0"),
     ],
 )
 def test_bad_values_name_their_key(key, value, match):
@@ -82,3 +86,12 @@ def test_bad_values_name_their_key(key, value, match):
 def test_batch_size_minus_one_asks_for_the_largest_batch():
     config = load_config("llama_tiny", {"batch_size": -1, "grad_accum": 3})
     configs.validate(config)  # no multiple of grad_accum to check yet
+
+
+@pytest.mark.parametrize("key", ["gemm", "fused_quantize"])
+def test_pallas_off_a_hopper_gpu_is_refused_before_the_step(key):
+    config = load_config("llama_tiny", {f"fp8.{key}": "pallas"})
+    if hopper_gpu():
+        pytest.skip("a Hopper GPU runs the Pallas kernels")
+    with pytest.raises(ValueError, match=f"config.fp8.{key}='pallas' needs a Hopper GPU"):
+        configs.validate(config)

@@ -19,7 +19,7 @@ from coat_jax.core.formats import get_format
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models.llama import PRESETS, LlamaConfig
 from coat_jax.models.policy import POLICIES
-from pallas_kernels.dispatch import KERNEL_OPTIONS
+from pallas_kernels.dispatch import KERNEL_OPTIONS, hopper_gpu
 
 __all__ = [
     "apply_overrides",
@@ -299,6 +299,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.grad_dtype={c.grad_dtype!r}: expected 'float32' or 'bfloat16'")
     if c.precision not in POLICIES:
         raise ValueError(f"config.precision={c.precision!r}: expected one of {sorted(POLICIES)}")
+    if c.precision in ("fp8_linear", "coat") and not hopper_gpu():  # else the first step says it
+        elsewhere = {"gemm": "'auto' or 'xla'", "fused_quantize": "'auto' or 'interpret'"}
+        for key, fallback in elsewhere.items():
+            if c.fp8[key] == "pallas":
+                raise ValueError(f"config.fp8.{key}='pallas' needs a Hopper GPU; use {fallback}")
     o = c.optimizer
     if o.master_weights not in MASTER_WEIGHTS:
         raise ValueError(
