@@ -6,7 +6,8 @@ and the full-fusion FP8 AdamW update (coat_jax.fused_fp8_adamw_update).
 Five Llama-2-7B layers (1.01B fp32 parameters). Each step is jitted with params and state
 donated; median of --steps timed steps after warm-up (``coat_jax.core.measure.time_loop``).
 Bytes per parameter are what each step must move at the least: reads and writes of params and
-state and a read of the gradients (fp32 AdamW: 28; FP8 AdamW: 4+4+4 + 2x(1+1) + scales = 16.2);
+state and a read of the gradients (fp32 AdamW: 28; FP8 AdamW: 4+4+4 + 2x(1+1) + scales = 16.2;
+BF16 master weights with a 16-bit remainder the same, 8-bit 14.2; on a GPU also those rows);
 GB/s divides them by the time, and "vs adamw" is optax.adamw's time over the row's (higher is
 faster).
 """
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 
 import coat_jax
-from coat_jax.core import measure
+from coat_jax.core import master, measure
 from pallas_kernels import dispatch
 
 LAYER = {
@@ -52,13 +53,38 @@ def fused_step(kernels: str):
     )
 
 
-def time_optimizer(init_and_step, params, grads, steps) -> tuple[float, int]:
-    init, step = init_and_step
+def fused_master_step(kernels: str, bits: int):
+    """:func:`fused_step` on BF16 master weights: the carried parameters are ``(BF16 parts,
+    remainders)`` of ``bits``; ``kernels="reference"`` rebuilds fp32 around the XLA update,
+    ``"auto"`` around the fp32 kernel, ``"pallas"`` runs the kernel on the parts."""
+    adam = coat_jax.scale_by_fp8_adam(kernels="reference")
+
+    def step(parts, state, grads):
+        hi, remainder, state = coat_jax.fused_fp8_adamw_update(
+            parts[0], grads, state, 1e-4, weight_decay=1e-4, kernels=kernels, remainder=parts[1]
+        )
+        return (hi, remainder), state
+
+    def carried(params):
+        split = jax.jit(lambda p: jax.tree.map(lambda w: master.split(w, bits), p))(params)
+        is_part = lambda x: isinstance(x, tuple)
+        hi = jax.tree.map(lambda t: t[0], split, is_leaf=is_part)
+        return hi, jax.tree.map(lambda t: t[1], split, is_leaf=is_part)
+
+    return adam.init, step, carried
+
+
+def time_optimizer(init_and_step, params, grads, steps) -> tuple[float, int, int]:
+    """``(median ms, state bytes, parameter bytes)`` of one optimizer's jitted, donated step;
+    a third element of ``init_and_step`` turns the fp32 params into what the step carries."""
+    init, step, *carried = init_and_step
     state = init(params)
-    state_bytes = tree_bytes(state)
+    if carried:
+        params = carried[0](params)
+    state_bytes, param_bytes = tree_bytes(state), tree_bytes(params)
     step = jax.jit(step, donate_argnums=(0, 1))
     timing, _ = measure.time_loop(lambda carry: step(*carry, grads), (params, state), iters=steps)
-    return timing.median_ms, state_bytes
+    return timing.median_ms, state_bytes, param_bytes
 
 
 def main():
@@ -89,10 +115,16 @@ def main():
             coat_jax.fp8_adamw(1e-4, kernels="pallas")
         )
         optimizers["fused FP8 AdamW update (Pallas, expansion)"] = fused_step("pallas")
+        for bits in (16, 8):  # BF16 master weights: parts in the kernel vs fp32 rebuilt around it
+            optimizers[f"fused, BF16 + {bits}-bit remainder (Pallas on the parts)"] = (
+                fused_master_step("pallas", bits))  # fmt: skip
+        optimizers["fused, BF16 + 16-bit remainder (fp32 rebuilt around the Pallas kernel)"] = (
+            fused_master_step("auto", 16))  # fmt: skip
     rows = []
     for name, init_and_step in optimizers.items():
-        ms, state_bytes = time_optimizer(init_and_step, make(0.02), grads, args.steps)
-        moved = 3 * 4 + 2 * state_bytes / n  # params r+w, grads r; state r+w
+        ms, state_bytes, param_bytes = time_optimizer(init_and_step, make(0.02), grads,
+                                                      args.steps)  # fmt: skip
+        moved = (2 * param_bytes + 4 * n + 2 * state_bytes) / n  # params r+w, grads r; state r+w
         rows.append(
             {"optimizer": name, "median_ms": ms, "state_bytes_per_param": state_bytes / n,
              "bytes_moved_per_param": moved, "effective_GBps": moved * n / (ms * 1e-3) / 1e9}

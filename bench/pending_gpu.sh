@@ -10,6 +10,9 @@
 #   PART=2 bash bench/pending_gpu.sh   Llama-2-13B through train.py at the planner's largest
 #                                      batch (peak, tokens/s, MFU; issue 18), and the 7B
 #                                      largest batch with bf16 gradients + chunked loss
+#   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
+#                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
+#                                      around the kernel) beside optax.adamw (issue 18, item 4)
 #
 # OUT (default bench/results) receives logs and JSON. Allocator: train.py's (preallocate, 0.95)
 # unless XLA_PYTHON_CLIENT_* are exported.
@@ -36,5 +39,9 @@ case "${PART:-1}" in
   timeout 230 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw \
     --set grad_dtype=bfloat16 --set model.loss_chunk=512 --time_budget_s 200 \
     --json "$OUT/e2e_llama2_7b_bf16grads_chunked_h200_$DAY.json" 2>&1 | tail -8
+  ;;
+3)
+  echo "== optimizer step, 1.01B params: master-weight options beside optax.adamw"
+  timeout 400 $PY bench/optimizer.py --json "$OUT/optimizer_master_h200_$DAY.json" 2>&1 | tail -14
   ;;
 esac
