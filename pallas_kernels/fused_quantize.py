@@ -55,14 +55,22 @@ class FusedQuantizeTuning:
     num_stages: int = 1
 
 
+def _finite_max(y):
+    y = jnp.abs(y.astype(jnp.float32))
+    return jnp.max(jnp.where(y < jnp.inf, y, 0.0))
+
+
 def save_and_operand_reference(inputs, fn: Callable, extras=(), *, saved_fmt: Fp8Format,
-                               group: int, operand_fmt: Fp8Format):  # fmt: skip
+                               group: int, operand_fmt: Fp8Format, amax_of=None):  # fmt: skip
     """``(saved inputs, operand)``: each input quantized in 1x``group`` groups, and
-    ``y = fn(dequantized inputs..., extras (1, cols)...)`` quantized per tensor."""
+    ``y = fn(dequantized inputs..., extras (1, cols)...)`` quantized per tensor (``amax_of``:
+    see :func:`save_and_operand`)."""
     saved = tuple(quantize(x, saved_fmt, group_size=group) for x in inputs)
     y = fn(*(dequantize(q, x.dtype) for q, x in zip(saved, inputs, strict=True)),
            *(e.reshape(1, -1) for e in extras))  # fmt: skip
-    return saved, quantize(y, operand_fmt)
+    if amax_of is None:
+        return saved, quantize(y, operand_fmt)
+    return saved, quantize(y, operand_fmt, amax=amax_of(_finite_max(y)))
 
 
 def save_and_operand(
@@ -76,6 +84,7 @@ def save_and_operand(
     whole_rows: bool,
     tuning: FusedQuantizeTuning = FusedQuantizeTuning(),
     interpret: bool = False,
+    amax_of: Callable | None = None,
 ) -> tuple[tuple[QuantizedArray, ...], QuantizedArray]:
     """The kernels' twin of :func:`save_and_operand_reference` on matrices ``(rows, cols)``.
 
@@ -88,11 +97,14 @@ def save_and_operand(
       whole_rows: ``fn`` reduces over a row (tiles span whole rows).
       tuning: tile and launch knobs.
       interpret: run the kernels in Pallas interpret mode (any backend).
+      amax_of: the tensor's ``amax`` from this array's (``max`` of the tile maxima, or of
+        ``|y|``, a scalar): on one shard of a tensor split over devices, a ``pmax`` over them.
     """
     dispatch.check_compiled(interpret, "pallas_kernels.fused_quantize")
     reference = lambda: save_and_operand_reference(
-        inputs, fn, extras, saved_fmt=saved_fmt, group=group, operand_fmt=operand_fmt
-    )
+        inputs, fn, extras, saved_fmt=saved_fmt, group=group, operand_fmt=operand_fmt,
+        amax_of=amax_of,
+    )  # fmt: skip
     rows, cols = inputs[0].shape
     max_cols = tuning.max_cols if whole_rows else tuning.block_cols
     blocks = block_shape(rows, cols, group, tuning.block_rows, max_cols) if rows else None
@@ -135,7 +147,7 @@ def save_and_operand(
         interpret=interpret,
     )(*inputs, *extras2)
     codes, amaxes = saved[:n], saved[n:]
-    amax = jnp.max(partial_max)
+    amax = jnp.max(partial_max) if amax_of is None else amax_of(jnp.max(partial_max))
 
     def operand_kernel(*refs):
         c_refs, a_refs = refs[:n], refs[n : 2 * n]

@@ -22,9 +22,10 @@ field                  default    meaning
 ``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
 ``fused_quantize``     ``auto``   the COAT norm and SwiGLU forwards as two Pallas passes that
                                   quantize inside the op (``pallas_kernels.fused_quantize``;
-                                  per-tensor FP8 forward GEMMs, one device): ``auto`` (where
-                                  measured faster, ``pallas_kernels.dispatch``), ``pallas``,
-                                  ``interpret`` or ``reference`` (the XLA ops)
+                                  per-tensor FP8 forward GEMMs; per shard under a mesh):
+                                  ``auto`` (where measured faster,
+                                  ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
+                                  ``reference`` (the XLA ops)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 =====================  =========  ===========================================================
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
-from coat_jax.ops import scaled_gemm
+from coat_jax.ops import scaled_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul, fused_quantize
 
@@ -185,14 +185,45 @@ def _project_quantized(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe
 
 def _fused_mode(recipe: Fp8Recipe) -> str | None:
     """``"pallas"`` / ``"interpret"`` where the COAT ops' forwards run
-    :mod:`pallas_kernels.fused_quantize` (per-tensor FP8 forward GEMMs, no multi-device mesh:
-    the kernels see whole arrays), else ``None``."""
+    :mod:`pallas_kernels.fused_quantize` (per-tensor FP8 forward GEMMs), else ``None``."""
     if recipe.scaling != "tensor" or recipe.forward_gemm != "fp8":
         return None
     mode = dispatch.resolve(recipe.fused_quantize, "fused_quantize")
-    if mode == "reference" or dispatch.multi_device_mesh() is not None:
-        return None
-    return mode
+    return None if mode == "reference" else mode
+
+
+def _save_and_operand(rows, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mode: str):
+    """:func:`pallas_kernels.fused_quantize.save_and_operand` of the matrices ``rows``; under a
+    multi-device mesh on every device's shard (``jax.shard_map``): rows split like the batch
+    (``data x fsdp``), an element-wise op's columns like the MLP (``tensor``), and the tensor's
+    ``amax`` the ``pmax`` of the shards'."""
+    kwargs = dict(saved_fmt=recipe.saved, group=recipe.saved_group, operand_fmt=recipe.forward,
+                  whole_rows=whole_rows, interpret=mode == "interpret")  # fmt: skip
+    mesh = dispatch.multi_device_mesh()
+    if mesh is None:
+        return fused_quantize.save_and_operand(rows, fn, extras, **kwargs)
+    n_rows, cols = rows[0].shape
+    row_axes = sharding.fits(mesh, sharding.RULES["batch"], n_rows)
+    col_axis = None if whole_rows else sharding.fits(mesh, sharding.RULES["mlp"], cols)
+    if col_axis is not None and (cols // mesh.shape[col_axis]) % recipe.saved_group:
+        col_axis = None  # whole groups on every shard
+    P = jax.sharding.PartitionSpec
+    tile, vector = P(row_axes, col_axis), P(col_axis)
+    amax_of = lambda m: jax.lax.pmax(m, mesh.axis_names)
+
+    def local(rows, extras):
+        saved, yq = fused_quantize.save_and_operand(rows, fn, extras, amax_of=amax_of, **kwargs)
+        return tuple((q.data.reshape(q.data.shape[0], -1), q.amax) for q in saved), (yq.data,
+                                                                                     yq.amax)
+
+    saved, (y_codes, y_amax) = jax.shard_map(
+        local, mesh=mesh, in_specs=((tile,) * len(rows), (vector,) * len(extras)),
+        out_specs=(((tile, tile),) * len(rows), (tile, P())), check_vma=False,
+    )(tuple(rows), tuple(extras))  # fmt: skip
+    group = recipe.saved_group
+    saved = tuple(QuantizedArray(c.reshape(n_rows, cols // group, group), a, None, cols)
+                  for c, a in saved)  # fmt: skip
+    return saved, QuantizedArray(y_codes, y_amax)
 
 
 def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Recipe, mode: str):
@@ -200,11 +231,8 @@ def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Rec
     ``inputs (..., c)`` saved in 1x``saved_group`` groups, ``fn`` of them quantized per tensor
     and multiplied by each kernel."""
     lead, cols = inputs[0].shape[:-1], inputs[0].shape[-1]
-    saved, yq = fused_quantize.save_and_operand(
-        tuple(x.reshape(-1, cols) for x in inputs), fn, extras, saved_fmt=recipe.saved,
-        group=recipe.saved_group, operand_fmt=recipe.forward, whole_rows=whole_rows,
-        interpret=mode == "interpret",
-    )  # fmt: skip
+    saved, yq = _save_and_operand(tuple(x.reshape(-1, cols) for x in inputs), fn, tuple(extras),
+                                  whole_rows, recipe, mode)  # fmt: skip
     groups = cols // recipe.saved_group
     saved = tuple(
         QuantizedArray(q.data.reshape(*lead, groups, -1), q.amax.reshape(*lead, groups), None,
