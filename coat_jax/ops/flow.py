@@ -30,6 +30,9 @@ Ops, with what each saves for backward (``T`` tokens, ``h`` hidden, ``f`` MLP wi
 
 The COAT forward consumes the dequantized FP8 input (as COAT's FP8 kernels do), so backward's
 recomputation reproduces the forward's GEMM operand exactly (same values, same saved scale).
+With ``recipe.fused_quantize`` resolving to a kernel, those forwards (save the 1x16 copies,
+apply the op, quantize its output per tensor) run as the two Pallas passes of
+:mod:`pallas_kernels.fused_quantize`, per shard under a mesh; same codes, same residuals.
 The ops without FP8 (norm, SwiGLU, RoPE, attention) are :mod:`coat_jax.ops.plain`.
 """
 
