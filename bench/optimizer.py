@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 import coat_jax
-from coat_jax.core import master, measure
+from coat_jax.core import measure
+from coat_jax.ops.master_weights import split_tree
 from pallas_kernels import dispatch
 
 LAYER = {
@@ -65,13 +66,7 @@ def fused_master_step(kernels: str, bits: int):
         )
         return (hi, remainder), state
 
-    def carried(params):
-        split = jax.jit(lambda p: jax.tree.map(lambda w: master.split(w, bits), p))(params)
-        is_part = lambda x: isinstance(x, tuple)
-        hi = jax.tree.map(lambda t: t[0], split, is_leaf=is_part)
-        return hi, jax.tree.map(lambda t: t[1], split, is_leaf=is_part)
-
-    return adam.init, step, carried
+    return adam.init, step, jax.jit(lambda params: split_tree(params, bits))
 
 
 def time_optimizer(init_and_step, params, grads, steps) -> tuple[float, int, int]:

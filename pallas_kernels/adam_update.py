@@ -98,9 +98,8 @@ def leaf_reference_parts(hi, remainder, g, mu, nu, hyper, decay: bool):
     """:func:`leaf_reference` on the weight rebuilt from its BF16 part ``hi`` and
     ``remainder`` (:mod:`coat_jax.core.master`); returns ``(new_hi, new_remainder, new_mu,
     new_nu)``, the remainder with as many bits as it came with."""
-    bits = 8 * jnp.dtype(remainder.dtype).itemsize
     new_p, new_mu, new_nu = leaf_reference(master.join(hi, remainder), g, mu, nu, hyper, decay)
-    return (*master.split(new_p, bits), new_mu, new_nu)
+    return (*master.split(new_p, master.remainder_bits(remainder.dtype)), new_mu, new_nu)
 
 
 def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING, remainder=None) -> bool:
@@ -109,8 +108,8 @@ def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING, remainder=None)
     if remainder is None:
         weight = p.dtype == jnp.float32
     else:
-        weight = p.dtype == jnp.bfloat16 and remainder.shape == p.shape and remainder.dtype in (
-            jnp.dtype(jnp.int16), jnp.dtype(jnp.int8))  # fmt: skip
+        weight = (p.dtype == jnp.bfloat16 and remainder.shape == p.shape
+                  and remainder.dtype in master.REMAINDER_DTYPES.values())  # fmt: skip
     return (
         adam_step.supported(mu, nu, tuning)
         and weight
@@ -149,7 +148,7 @@ def _call(*arrays, static):
     mu_fmt, nu_fmt, expanded, br, decay, tuning, interpret, k = static
     weight, (g, hyper), moments = arrays[:k], arrays[k : k + 2], arrays[k + 2 :]
     n, group = weight[0].shape
-    bits = 8 * weight[1].dtype.itemsize if k == 2 else None
+    bits = master.remainder_bits(weight[1].dtype) if k == 2 else None
     log = adam_step.log_fn(tuning, interpret)
     specs, shapes = adam_step.moment_specs(n, group, br, expanded, mu_fmt, nu_fmt)
     n_mom = len(specs)

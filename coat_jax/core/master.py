@@ -27,16 +27,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["REMAINDER_BITS", "bf16_part", "join", "remainder_dtype", "split"]
+__all__ = [
+    "REMAINDER_BITS",
+    "REMAINDER_DTYPES",
+    "bf16_part",
+    "join",
+    "remainder_bits",
+    "remainder_dtype",
+    "split",
+]
 
-REMAINDER_BITS = (16, 8)
+REMAINDER_DTYPES = {16: jnp.dtype(jnp.int16), 8: jnp.dtype(jnp.int8)}
+"""Remainder bits -> the remainder's dtype."""
+REMAINDER_BITS = tuple(REMAINDER_DTYPES)
 
 
 def remainder_dtype(bits: int):
     """``int16`` for ``bits=16``, ``int8`` for ``bits=8``."""
     if bits not in REMAINDER_BITS:
         raise ValueError(f"remainder bits must be one of {REMAINDER_BITS}, got {bits!r}")
-    return jnp.int16 if bits == 16 else jnp.int8
+    return REMAINDER_DTYPES[bits]
+
+
+def remainder_bits(dtype) -> int:
+    """The inverse of :func:`remainder_dtype`: 16 for ``int16``, 8 for ``int8``.
+
+    Raises:
+      TypeError: any other dtype.
+    """
+    for bits, remainder in REMAINDER_DTYPES.items():
+        if jnp.dtype(dtype) == remainder:
+            return bits
+    raise TypeError(f"a master-weight remainder must be int16 or int8, got {jnp.dtype(dtype)}")
 
 
 def _high(bits32: jax.Array) -> jax.Array:
@@ -65,11 +87,10 @@ def split(w: jax.Array, bits: int = 16) -> tuple[jax.Array, jax.Array]:
 
 def join(hi: jax.Array, remainder: jax.Array) -> jax.Array:
     """The fp32 weight of a BF16 part and its :func:`split` remainder (int16 or int8)."""
-    if remainder.dtype not in (jnp.dtype(jnp.int16), jnp.dtype(jnp.int8)):
-        raise TypeError(f"join: remainder must be int16 or int8, got {remainder.dtype}")
+    bits = remainder_bits(remainder.dtype)
     high = jax.lax.bitcast_convert_type(hi.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
     r = remainder.astype(jnp.int32)
-    if remainder.dtype == jnp.int8:
+    if bits == 8:
         r = r * 256
     bits32 = (high << 16) + jax.lax.bitcast_convert_type(r, jnp.uint32)  # wraps mod 2^32
     return jax.lax.bitcast_convert_type(bits32, jnp.float32)

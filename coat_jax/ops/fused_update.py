@@ -25,12 +25,11 @@ with ``params`` and ``state`` donated to the jitted step, so the kernel updates 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from coat_jax.core import adam, master, quant
 from coat_jax.core.adam import ScaleByFp8AdamState
-from coat_jax.ops import sharding
+from coat_jax.ops import master_weights, sharding
 from pallas_kernels import adam_update, dispatch
 from pallas_kernels.adam_step import AdamStepTuning
 
@@ -137,20 +136,21 @@ def fp8_adamw_update(
       new_state)``.
     """
     if remainder is not None and dispatch.resolve(kernels, "adam_update_parts") == "reference":
-        bits = {jnp.dtype(r.dtype).itemsize * 8 for r in jax.tree.leaves(remainder)}
+        bits = {master.remainder_bits(r.dtype) for r in jax.tree.leaves(remainder)}
         if len(bits) > 1:
             raise ValueError(f"fp8_adamw_update: remainders of mixed widths {sorted(bits)}")
-        weights = jax.tree.map(master.join, params, remainder)
-        weights, state = fp8_adamw_update(
-            weights, grads, state, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-            weight_decay=weight_decay, mask=mask, clip_scale=clip_scale, kernels=kernels,
-            tuning=tuning, specs=specs,
-        )  # fmt: skip
-        width = bits.pop() if bits else 16
-        parts = jax.tree.map(lambda w: master.split(w, width), weights)
-        is_part = lambda x: isinstance(x, tuple)
-        return (jax.tree.map(lambda t: t[0], parts, is_leaf=is_part),
-                jax.tree.map(lambda t: t[1], parts, is_leaf=is_part), state)  # fmt: skip
+
+        def fp32_update(weights, state):
+            return fp8_adamw_update(
+                weights, grads, state, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                weight_decay=weight_decay, mask=mask, clip_scale=clip_scale, kernels=kernels,
+                tuning=tuning, specs=specs,
+            )  # fmt: skip
+
+        parts = master_weights.MasterWeightsState(remainder, state)
+        params, parts = master_weights.apply_exactly(params, parts, bits.pop() if bits else 16,
+                                                     fp32_update)  # fmt: skip
+        return params, parts.remainder, parts.inner
     mode = dispatch.resolve(kernels, "adam_update")
     mesh = dispatch.multi_device_mesh()
     sharded = mesh is not None

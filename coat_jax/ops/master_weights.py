@@ -35,7 +35,7 @@ import optax
 
 from coat_jax.core import master
 
-__all__ = ["MasterWeightsState", "apply_exactly", "master_weights", "to_bf16_parts"]
+__all__ = ["MasterWeightsState", "apply_exactly", "master_weights", "split_tree", "to_bf16_parts"]
 
 
 class MasterWeightsState(NamedTuple):
@@ -51,6 +51,15 @@ def to_bf16_parts(params):
     return jax.tree.map(master.bf16_part, params)
 
 
+def split_tree(weights, bits: int):
+    """``(BF16 parts, remainders)``: :func:`coat_jax.core.master.split` of every fp32 leaf of
+    ``weights``, as two trees like it."""
+    parts = jax.tree.map(lambda w: master.split(w, bits), weights)
+    is_part = lambda x: isinstance(x, tuple)
+    hi = jax.tree.map(lambda p: p[0], parts, is_leaf=is_part)
+    return hi, jax.tree.map(lambda p: p[1], parts, is_leaf=is_part)
+
+
 def _fp32(tree):
     return jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), tree)
 
@@ -64,10 +73,7 @@ def apply_exactly(
     BF16 parts and a state with their remainders."""
     weights = jax.tree.map(master.join, params, state.remainder)
     new_weights, inner = step(weights, state.inner)
-    parts = jax.tree.map(lambda w: master.split(w, bits), new_weights)
-    is_part = lambda x: isinstance(x, tuple)
-    hi = jax.tree.map(lambda p: p[0], parts, is_leaf=is_part)
-    remainder = jax.tree.map(lambda p: p[1], parts, is_leaf=is_part)
+    hi, remainder = split_tree(new_weights, bits)
     return hi, MasterWeightsState(remainder, inner)
 
 
@@ -89,8 +95,7 @@ def master_weights(inner: optax.GradientTransformation, bits: int = 16):
 
     def init_fn(params):
         weights = _fp32(params)
-        remainder = jax.tree.map(lambda w: master.split(w, bits)[1], weights)
-        return MasterWeightsState(remainder, inner.init(weights))
+        return MasterWeightsState(split_tree(weights, bits)[1], inner.init(weights))
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
