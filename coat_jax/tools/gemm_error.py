@@ -554,10 +554,7 @@ def open_run(path: str):
     from coat_jax.training import configs, finetune
     from coat_jax.training.checkpoint import Checkpointer
 
-    folder = os.path.normpath(path)
-    if os.path.basename(folder) == "checkpoints":
-        folder = os.path.dirname(folder)
-    checkpoints = os.path.join(folder, "checkpoints")
+    folder, checkpoints = finetune.run_dirs(path)
     if not os.path.isdir(checkpoints):  # checked first: a Checkpointer would create it
         raise FileNotFoundError(f"{path}: no checkpoints/ folder (is --from a train.py workdir?)")
     ckpt = Checkpointer(checkpoints, async_save=False)

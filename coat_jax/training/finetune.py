@@ -26,10 +26,10 @@ from coat_jax.models.llama import LlamaConfig
 from coat_jax.training import parallel
 from coat_jax.training.checkpoint import Checkpointer
 
-__all__ = ["initial_params", "resolve_init_from"]
+__all__ = ["initial_params", "read_run_config", "resolve_init_from", "run_dirs"]
 
 
-def _run_dirs(path: str) -> tuple[str, str]:
+def run_dirs(path: str) -> tuple[str, str]:
     """``(workdir, checkpoints dir)`` of a coat-jax run given either."""
     if os.path.basename(os.path.normpath(path)) == "checkpoints":
         return os.path.dirname(os.path.normpath(path)), path
@@ -74,7 +74,7 @@ def resolve_init_from(c: ml_collections.ConfigDict) -> None:
         path = c.init_from
         if not os.path.isdir(path):
             raise FileNotFoundError(f"config.init_from={path!r}: no such folder")
-        workdir, checkpoints = _run_dirs(path)
+        workdir, checkpoints = run_dirs(path)
         if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
             model = hf_llama.read_config(path, c.precision)
             if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -99,7 +99,7 @@ def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardin
     """The params to start from: ``c.init_from``'s weights, laid out like ``params_like``
     (abstract is fine) and placed with ``shardings`` (a tree like the params, optional)."""
     path = c.init_from
-    workdir, checkpoints = _run_dirs(path)
+    workdir, checkpoints = run_dirs(path)
     if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
         dtype = next(iter(nnx.to_flat_state(params_like)))[1].get_value().dtype
         config = hf_llama.read_config(path, c.precision)

@@ -352,8 +352,7 @@ def read_source(path: str, max_len: int | None = None) -> Source:
         message = str(e).replace(f"config.init_from={path!r}: ", f"{path}: ")
         raise type(e)(message) from None
     model = configs.llama_config(c)
-    folder = os.path.normpath(path)  # a run's workdir, also when given its checkpoints folder
-    workdir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
+    workdir = finetune.run_dirs(path)[0]  # a run's workdir, also when given its checkpoints
     tokenizer = data.load_tokenizer(c.data.tokenizer)
     if os.path.isdir(os.path.join(workdir, "checkpoints")):  # as finetune tells them apart
         kind, eos = "run", ()
