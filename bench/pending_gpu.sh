@@ -10,6 +10,10 @@
 #   PART=2 bash bench/pending_gpu.sh   Llama-2-13B through train.py at the planner's largest
 #                                      batch (peak, tokens/s, MFU; issue 18), and the 7B
 #                                      largest batch with bf16 gradients + chunked loss
+#   PART=4 bash bench/pending_gpu.sh   the fused quantize kernels' GPU test, then Llama-2-13B
+#                                      through train.py at batch 4 (BF16 + 16-bit master; then
+#                                      batch 5, or BF16 + 8-bit if 4 did not fit): peak,
+#                                      tokens/s, MFU
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -32,7 +36,7 @@ case "${PART:-1}" in
 2)
   echo "== Llama-2-13B through train.py at the largest batch (12 steps)"
   timeout 330 $PY train.py --config configs/llama2_13b.py --config.batch_size=-1 \
-    --config.steps=12 --config.log_interval=4 --config.eval_interval=1000 \
+    --config.steps=12 --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
     --config.checkpoint_interval=0 --config.workdir=/tmp/pending_13b_run \
     2>&1 | tee "$OUT/train_llama2_13b_h200_$DAY.txt" | tail -8
   echo "== Llama-2-7B COAT largest batch: bf16 gradients + chunked loss vs the default"
@@ -43,5 +47,22 @@ case "${PART:-1}" in
 3)
   echo "== optimizer step, 1.01B params: master-weight options beside optax.adamw"
   timeout 400 $PY bench/optimizer.py --json "$OUT/optimizer_master_h200_$DAY.json" 2>&1 | tail -14
+  ;;
+4)
+  echo "== gpu test: fused quantize kernels, compiled"
+  timeout 130 $PY -m pytest -q -m gpu tests/test_pallas_fused_quantize.py 2>&1 | tail -6
+  train_13b() {  # batch, master weights; ok when the steps ran (metrics.jsonl written)
+    local tag="b$1_${2/+/_}"
+    echo "== Llama-2-13B through train.py, batch $1, master weights $2 (8 steps)"
+    rm -rf /tmp/pending_13b_run
+    timeout 200 $PY train.py --config configs/llama2_13b.py --config.batch_size=$1 \
+      --config.optimizer.master_weights=$2 --config.steps=8 --config.optimizer.warmup_steps=2 \
+      --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+      --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_${tag}_h200_$DAY.txt" \
+      | grep -v Warning | tail -6
+    grep -q tokens_per_s /tmp/pending_13b_run/metrics.jsonl 2>/dev/null \
+      && cp /tmp/pending_13b_run/metrics.jsonl "$OUT/train_llama2_13b_${tag}_h200_$DAY.jsonl"
+  }
+  if train_13b 4 bf16+16; then train_13b 5 bf16+16; else train_13b 4 bf16+8; fi
   ;;
 esac

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from coat_jax.core.formats import get_format
+from coat_jax.core.quant import dequantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models import nn
 from coat_jax.models.policy import get_policy
@@ -145,7 +146,15 @@ def test_the_kernels_stay_out_of_other_recipes_and_pallas_needs_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rms", "swiglu"])
 def test_compiled_kernels_equal_the_reference_on_a_gpu(op):
-    """Compiled for the GPU (Triton): the 7B shapes' rows (hidden 4096, MLP 11008)."""
+    """Compiled for the GPU (Triton): the 7B shapes' rows (hidden 4096, MLP 11008).
+
+    The saved copies only encode the inputs: codes and scales as the reference's (a GPU's
+    reductions may still round a group maximum differently: 1e-3 of the codes). The operand
+    goes through ``f`` (the norm's ``rsqrt`` and mean are approximated and reduced in another
+    order by Triton), so its ``y`` and hence ``max |y|`` may differ in the last BF16 bit: the
+    scale within 2^-7 of the reference's, and each element within one E4M3 rounding (2^-4
+    relative) of the reference's ``y`` plus that last bit (2^-7), or of the format's subnormal
+    step at that scale."""
     fn, n_inputs, n_extras, whole_rows = op_cases()[op]
     shape = (4096, 4096) if op == "rms" else (4096, 11008)
     keys = jax.random.split(fresh_key(), 3)
@@ -154,9 +163,19 @@ def test_compiled_kernels_equal_the_reference_on_a_gpu(op):
     got = jax.jit(lambda i, e: fq.save_and_operand(i, fn, e, whole_rows=whole_rows,
                                                    **FORMATS))(inputs, extras)  # fmt: skip
     want = jax.jit(lambda i, e: fq.save_and_operand_reference(i, fn, e, **FORMATS))(inputs, extras)
-    for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):  # a GPU's rsqrt and
-        mismatch = np.mean(codes(g) != codes(w))  # reductions may round differently
-        assert mismatch < 1e-3, mismatch
+    saved = [(np.mean(codes(g) != codes(w)), np.mean(np.asarray(g.amax) != np.asarray(w.amax)))
+             for g, w in zip(got[0], want[0], strict=True)]  # fmt: skip
+    y = np.asarray(fn(*(dequantize(q, jnp.bfloat16) for q in want[0]),
+                      *(e.reshape(1, -1) for e in extras)), np.float64)  # fmt: skip
+    operand = np.asarray(dequantize(got[1], jnp.float32), np.float64)
+    amax, want_amax = float(got[1].amax), float(want[1].amax)
+    step = amax / E4M3.max * 2.0**-9  # E4M3's subnormal step at this scale
+    excess = np.abs(operand - y) - (2.0**-4 + 2.0**-7) * np.abs(y) - step
+    report = f"saved (codes, scales) mismatch {saved}; amax {amax} vs {want_amax}; " \
+             f"worst operand excess {excess.max():.3g}"  # fmt: skip
+    assert all(c < 1e-3 and a < 1e-3 for c, a in saved), report
+    assert abs(amax - want_amax) <= 2.0**-7 * want_amax, report
+    assert excess.max() <= 0, report
 
 
 @pytest.mark.parametrize("op", ["rms", "layer", "swiglu"])

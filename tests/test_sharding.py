@@ -62,6 +62,16 @@ SCRIPT = textwrap.dedent(
         step = jax.jit(opt.update, in_shardings=(ps, ss, ps), out_shardings=(ps, ss))
         hlo = step.lower(params, state, params).compile().as_text()
         assert "all-gather" not in hlo and "all-to-all" not in hlo, shape
+
+    # parallel.repack: every shard's value and every sharding kept, the old buffers freed
+    from coat_jax.training import parallel
+    placed = jax.device_put((params, state), (ps, ss))
+    old, want = jax.tree.leaves(placed), jax.device_get(jax.tree.leaves(placed))
+    packed = jax.tree.leaves(parallel.repack(placed))
+    assert all(x.is_deleted() for x in old)
+    for x, w, o in zip(packed, want, jax.tree.leaves((ps, ss)), strict=True):
+        assert x.sharding == o and x.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(w, np.float32))
     print("OK")
     """
 )

@@ -37,6 +37,7 @@ __all__ = [
     "Placement",
     "initialize_from_env",
     "make_placement",
+    "repack",
     "sharded_batch",
     "with_shardings",
 ]
@@ -103,6 +104,32 @@ class Placement:
     def init_opt_state(self, optimizer, params):
         """``optimizer.init(params)``, computed directly in its shards."""
         return jax.jit(optimizer.init, out_shardings=self.opt_state)(params)
+
+
+def repack(tree):
+    """``tree``'s arrays moved to the host and back, every device buffer of it freed first.
+
+    Device memory is one pool of the allocator (BFC): an initialization that frees a large
+    transient array (the fp32 weights BF16 master weights are split from) leaves a hole below
+    the arrays that outlive it, and the train step's temporary buffer, one contiguous block,
+    may then find no room although the free bytes add up. Written back in one pass into an
+    emptied pool, the arrays lie packed from its low end. Each process copies its own shards
+    (host memory: its share of ``tree``); values and shardings are unchanged.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shards = []
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            shards.append([(s.device, np.asarray(s.data)) for s in x.addressable_shards])
+            x.delete()
+    shards.reverse()
+    rebuilt = [
+        jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding, [jax.device_put(data, device) for device, data in shards.pop()]
+        ) if isinstance(x, jax.Array) else x
+        for x in leaves
+    ]  # fmt: skip
+    return jax.tree.unflatten(treedef, rebuilt)
 
 
 def make_placement(mesh: Mesh, params, optimizer, rules=sharding.RULES) -> Placement:
