@@ -13,7 +13,7 @@
 #   PART=4 bash bench/pending_gpu.sh   the fused quantize kernels' GPU test, then Llama-2-13B
 #                                      through train.py at batch 4 (BF16 + 16-bit master; then
 #                                      batch 5, or BF16 + 8-bit if 4 did not fit): peak,
-#                                      tokens/s, MFU
+#                                      tokens/s, MFU (BATCHES="4 5": those, BF16 + 16-bit)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -63,6 +63,7 @@ case "${PART:-1}" in
     grep -q tokens_per_s /tmp/pending_13b_run/metrics.jsonl 2>/dev/null \
       && cp /tmp/pending_13b_run/metrics.jsonl "$OUT/train_llama2_13b_${tag}_h200_$DAY.jsonl"
   }
-  if train_13b 4 bf16+16; then train_13b 5 bf16+16; else train_13b 4 bf16+8; fi
+  if [ -n "${BATCHES:-}" ]; then for b in $BATCHES; do train_13b $b bf16+16 || break; done
+  elif train_13b 4 bf16+16; then train_13b 5 bf16+16; else train_13b 4 bf16+8; fi
   ;;
 esac

@@ -44,11 +44,14 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # The full AdamW update (pallas_kernels/adam_update.py), same run: 9.37 ms against its
     # XLA reference's 16.32 ms; compiled tests pass there.
     "adam_update": True,
-    # The same kernel reading and writing BF16 master weights' parts (2026-12-01): CPU-tested
-    # in interpret mode only; until measured, "auto" rebuilds fp32 around the kernel above.
+    # The same kernel reading and writing BF16 master weights' parts, H200, jax 0.11.2, 1.01B
+    # params (bench/results/optimizer_master_h200_2026-12-01.json): 9.92 ms (16-bit remainder;
+    # 8-bit 10.17) against 14.37 ms for fp32 rebuilt around the kernel above. Off until its
+    # compiled tests (tests/test_master_weights.py on a Hopper GPU) have run there.
     "adam_update_parts": False,
-    # The COAT norm / SwiGLU forwards with quantization inside (pallas_kernels/fused_quantize.py,
-    # 2026-12-01): CPU-tested in interpret mode only, not yet compiled or timed on a GPU.
+    # The COAT norm / SwiGLU forwards with quantization inside (pallas_kernels/fused_quantize.py):
+    # compiled tests pass on an H200 (2026-12-01), but one 7B block is no faster (13.79 ms
+    # against 13.70 unfused, bench/results/layer_fused_h200_2026-12-01.json).
     "fused_quantize": False,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.

@@ -16,6 +16,7 @@ from coat_jax.core import master
 from coat_jax.ops.master_weights import master_weights, to_bf16_parts
 from coat_jax.training import configs
 from coat_jax.training.run import assemble
+from pallas_kernels import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,12 +131,15 @@ def test_fused_update_with_master_weights_is_bit_identical_to_fp32_master():
         np.testing.assert_array_equal(bits_of(a), bits_of(b))
 
 
+@pytest.mark.parametrize("kernels", ["interpret"] + (["pallas"] if dispatch.hopper_gpu() else []))
 @pytest.mark.parametrize("bits", [16, 8])
-def test_the_fused_kernel_reads_and_writes_the_parts(bits):
-    """``fused_fp8_adamw_update(..., remainder=)``: the kernel on the parts (interpreted) equals,
-    bit for bit, the fp32 weights rebuilt, updated by the reference and split again (what
-    ``"auto"`` does where the parts kernel is not measured faster) - matrices and the
-    small parameters the reference takes alike."""
+def test_the_fused_kernel_reads_and_writes_the_parts(bits, kernels, monkeypatch):
+    """``fused_fp8_adamw_update(..., remainder=)``: the kernel on the parts (interpreted; on a
+    Hopper GPU also compiled) equals, bit for bit, the fp32 weights rebuilt, updated by the
+    fp32 path and split again (what ``"auto"`` does where the parts kernel is off: on the CPU
+    the reference, on a Hopper GPU the compiled fp32 kernel) - matrices and the small
+    parameters the reference takes alike."""
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_update_parts", False)
     k = jax.random.split(jax.random.key(4), 4)
     weights = {"w": jax.random.normal(k[0], (64, 256)) * 0.02, "b": jnp.ones(256)}
     grads = {"w": jax.random.normal(k[1], (64, 256)).astype(jnp.bfloat16) * 1e-3,
@@ -149,7 +153,7 @@ def test_the_fused_kernel_reads_and_writes_the_parts(bits):
             h, g, s, 1e-3, weight_decay=0.1, clip_scale=0.7, kernels=kernels, remainder=r)
         )(hi, rem, grads, state)  # fmt: skip
 
-    got, want = update("interpret"), update("auto")
+    got, want = update(kernels), update("auto")
     assert got[1]["w"].dtype == (jnp.int16 if bits == 16 else jnp.int8)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         bytes_of = lambda x: np.asarray(x).reshape(-1).view(np.uint8)

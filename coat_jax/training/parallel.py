@@ -117,18 +117,21 @@ def repack(tree):
     (host memory: its share of ``tree``); values and shardings are unchanged.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    shards = []
-    for x in leaves:
-        if isinstance(x, jax.Array):
-            shards.append([(s.device, np.asarray(s.data)) for s in x.addressable_shards])
-            x.delete()
-    shards.reverse()
-    rebuilt = [
-        jax.make_array_from_single_device_arrays(
-            x.shape, x.sharding, [jax.device_put(data, device) for device, data in shards.pop()]
-        ) if isinstance(x, jax.Array) else x
-        for x in leaves
-    ]  # fmt: skip
+    arrays = list({id(x): x for x in leaves if isinstance(x, jax.Array)}.values())
+    counts = [len(x.addressable_shards) for x in arrays]
+    shards = [s for x in arrays for s in x.addressable_shards]
+    host = jax.device_get([s.data for s in shards])  # all copies started before any waits
+    devices = [s.device for s in shards]
+    for x in arrays:
+        x.delete()
+    placed = iter(jax.device_put(host, devices))
+    rebuilt = {
+        id(x): jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding, [next(placed) for _ in range(count)]
+        )
+        for x, count in zip(arrays, counts, strict=True)
+    }  # fmt: skip
+    rebuilt = [rebuilt.get(id(x), x) for x in leaves]
     return jax.tree.unflatten(treedef, rebuilt)
 
 
