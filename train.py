@@ -122,6 +122,8 @@ def main(argv, allocator_set: dict) -> None:
         f"mesh {dict(run.placement.mesh.shape)}")  # fmt: skip
     if run.fused_update:
         log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")
+    if config.grad_dtype == "auto":
+        log(f"Gradients: {run.grad_dtype} (config.grad_dtype=auto)")
     with jax.set_mesh(run.placement.mesh):
         if _DRY_RUN.value:
             return dry_run(run)

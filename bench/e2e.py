@@ -117,14 +117,15 @@ def parse_args(argv=None):
 
 def bench_config(args, policy: str):
     """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, optionally
-    ``"+bf16_grads"`` (``grad_dtype=bfloat16``, e.g. ``coat+fp8_adamw+bf16_grads``)."""
+    ``"+bf16_grads"`` or ``"+fp32_grads"`` (``grad_dtype``, e.g. ``coat+fp8_adamw+bf16_grads``;
+    without it the config's ``auto``: bf16 where the fused update runs)."""
     from coat_jax.models.llama import PRESETS
     from coat_jax.training import configs
 
     precision, _, optimizer = policy.partition("+")
     optimizer, _, grads = optimizer.partition("+")
-    if grads not in ("", "bf16_grads"):
-        raise ValueError(f"policy {policy!r}: the third part may only be 'bf16_grads'")
+    if grads not in ("", "bf16_grads", "fp32_grads"):
+        raise ValueError(f"policy {policy!r}: the third part may be 'bf16_grads' or 'fp32_grads'")
     if args.model in PRESETS:
         config = configs.pretraining_config(args.model)
     elif args.model in MODELS:
@@ -138,7 +139,7 @@ def bench_config(args, policy: str):
     if args.device_limit_gb:
         config.memory_limit_gb = args.device_limit_gb
     if grads:
-        config.grad_dtype = "bfloat16"
+        config.grad_dtype = {"bf16_grads": "bfloat16", "fp32_grads": "float32"}[grads]
     configs.apply_overrides(config, configs.parse_overrides(args.set))
     configs.validate(config)
     return config
@@ -198,7 +199,7 @@ def measure_policy(args, policy: str, fixed: dict | None = None) -> dict:
         result.pop("returncode", None)
     else:
         result = {
-            "policy": policy, "fused_optimizer": run.fused_update,
+            "policy": policy, "fused_optimizer": run.fused_update, "grad_dtype": run.grad_dtype,
             "device": devices[0].device_kind, "devices": n, "mesh": dict(mesh.shape),
             "jax": jax.__version__, "allocator": measure.allocator_settings(),
             "device_limit_bytes": limit, "margin_bytes": planner.MARGIN,

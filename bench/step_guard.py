@@ -41,7 +41,7 @@ def steps_of(run):
             run.placement,
             fused_update=fused,
             compiler_options=run.model.policy().compiler_options(),
-            grad_dtype=run.config.grad_dtype,
+            grad_dtype=run.grad_dtype,
             skip_nonfinite=guarded,
         )  # fmt: skip
         for guarded in (False, True)

@@ -183,7 +183,7 @@ def test_e2e_merge_combines_separate_runs_and_refuses_different_ones(tmp_path, c
 def test_policy_names_and_flags_make_the_config():
     args = e2e.parse_args(["--model", "llama_134m", "--fsdp", "4", "--device_limit_gb", "70"])
     config = e2e.bench_config(args, "coat+fp8_adamw")
-    assert config.grad_dtype == "float32" and config.memory_limit_gb == 70
+    assert config.grad_dtype == "auto" and config.memory_limit_gb == 70
     assert config.mesh.to_dict() == {"data": 1, "fsdp": 4, "tensor": 1}
     config = e2e.bench_config(args, "coat+fp8_adamw+bf16_grads")
     assert (config.precision, config.optimizer.name, config.grad_dtype) == (

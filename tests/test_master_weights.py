@@ -175,12 +175,31 @@ def test_eight_bit_residual_trains_close_to_fp32_master():
 @pytest.mark.parametrize(
     "overrides,match",
     [({"optimizer.master_weights": "bf16"}, "master_weights='bf16'"),
-     ({"optimizer.master_weights": "bf16+16"}, "set config.grad_dtype=bfloat16")],
+     ({"optimizer.master_weights": "bf16+16", "grad_dtype": "float32"},
+      "set config.grad_dtype=bfloat16")],
 )  # fmt: skip
 def test_bad_master_weight_configs(overrides, match):
     config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
     with pytest.raises(ValueError, match=match):
         configs.validate(config)
+
+
+@pytest.mark.parametrize(
+    "overrides,want",
+    [({}, "float32"),  # the CPU: no fused update
+     ({"optimizer.master_weights": "bf16+8"}, "bfloat16"),
+     ({"optimizer.kernels": "interpret"}, "bfloat16"),  # the fused update runs
+     ({"optimizer.kernels": "interpret", "grad_accum": 2, "batch_size": 4}, "float32"),
+     ({"optimizer.kernels": "interpret", "optimizer.name": "adamw"}, "float32"),
+     ({"optimizer.kernels": "interpret", "grad_dtype": "float32"}, "float32")],
+)  # fmt: skip
+def test_auto_gradients_are_bf16_where_the_fused_update_runs(overrides, want):
+    """``grad_dtype=auto`` (the default): bf16 with BF16 master weights or where the fused
+    update takes one micro-batch's gradients, fp32 elsewhere; an explicit value stays."""
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
+    configs.validate(config)
+    run = assemble(config)
+    assert run.grad_dtype == want
 
 
 def test_public_name():

@@ -100,12 +100,13 @@ def test_meshes_processes_and_checkpoints(tmp_path):
     resumed on 2x2x2 and on one device, and 2 processes x 4 CPU devices joined by
     jax.distributed (gloo) vs 1 process x 8."""
     port = free_port()
-    fused = "--config.optimizer.kernels=interpret"  # the fused update's kernel on each shard
+    # the fused update's kernel on each shard; fp32 gradients as the one-device chain's
+    fused = ("--config.optimizer.kernels=interpret", "--config.grad_dtype=float32")
     multi = [
         launch(
             tmp_path / "two_processes",
             (2, 4, 1),
-            fused,
+            *fused,
             devices=4,
             env_extra={
                 "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
@@ -122,7 +123,7 @@ def test_meshes_processes_and_checkpoints(tmp_path):
     ref = tmp_path / "one_device"
     run(ref, (1, 1, 1), devices=1)  # the XLA chain on one device
     # 2x4x1 with the fused optimizer kernel (interpreted) on each device's shard, vs the chain
-    out = run(tmp_path / "2x4x1", (2, 4, 1), fused)
+    out = run(tmp_path / "2x4x1", (2, 4, 1), *fused)
     assert "Optimizer: fused FP8 AdamW kernel" in out
     assert_runs_close(tmp_path / "2x4x1", ref)
     run(tmp_path / "2x2x2", (2, 2, 2))

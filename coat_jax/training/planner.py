@@ -97,7 +97,7 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
     split = run.placement.batch_shards
     activations, logits = activations // split, logits // split
     param_bytes = _bytes(run.params, run.placement.params)
-    grad_itemsize = jnp.dtype(run.config.grad_dtype).itemsize
+    grad_itemsize = jnp.dtype(run.grad_dtype).itemsize
     grad_bytes = _bytes(run.params, run.placement.params, itemsize=grad_itemsize)
     plan = {
         "batch_size": accum * micro,

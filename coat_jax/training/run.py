@@ -42,6 +42,8 @@ class Run:
       train_step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted.
       eval_step: ``(params, batch) -> loss``, jitted.
       fused_update: whether ``train_step`` runs the fused FP8 AdamW kernel.
+      grad_dtype: the gradients' dtype, ``"float32"`` or ``"bfloat16"`` (``config.grad_dtype``
+        with ``auto`` decided, :func:`~coat_jax.training.configs.resolve_grad_dtype`).
     """
 
     config: ml_collections.ConfigDict
@@ -54,6 +56,7 @@ class Run:
     train_step: Any
     eval_step: Any
     fused_update: bool
+    grad_dtype: str
 
     def batch_shape(self, batch_size: int | None = None) -> tuple[int, int, int]:
         """``(grad_accum, micro_batch, seq_len + 1)`` of a train batch of ``batch_size``
@@ -132,11 +135,12 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
                 f"over mesh data x fsdp = {placement.batch_shards} devices"
             )
     fused = make_fused_update(optimizer, placement)
+    grad_dtype = configs.resolve_grad_dtype(config, fused is not None)
     train_step = step.make_train_step(
         graph, optimizer.chain, placement, fused_update=fused,
-        compiler_options=model.policy().compiler_options(), grad_dtype=config.grad_dtype,
+        compiler_options=model.policy().compiler_options(), grad_dtype=grad_dtype,
         master_bits=optimizer.master_bits,
     )  # fmt: skip
     eval_step = step.make_eval_step(graph, placement)
     return Run(config, model, tokenizer, graph, params, optimizer, placement, train_step,
-               eval_step, fused is not None)  # fmt: skip
+               eval_step, fused is not None, grad_dtype)  # fmt: skip
