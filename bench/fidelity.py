@@ -85,7 +85,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COAT = {"precision": "coat", "optimizer.name": "fp8_adamw"}
+# fp32 gradients as in the runs before grad_dtype=auto (bf16 where the fused update runs)
+COAT = {"precision": "coat", "optimizer.name": "fp8_adamw", "grad_dtype": "float32"}
 BLOCK_E4M3 = {"fp8.scaling": "block", "fp8.grad_format": "e4m3"}
 RUNS = {  # name -> train.py overrides
     "fp32+adamw": {"precision": "fp32", "optimizer.name": "adamw"},
@@ -93,6 +94,10 @@ RUNS = {  # name -> train.py overrides
     "coat+fp8_adamw": COAT,
     "coat+fp8_adamw, no expansion": {**COAT, "optimizer.expansion": False},
     "coat+fp8_adamw, bf16 gradients": {**COAT, "grad_dtype": "bfloat16"},
+    # issue 18: BF16 master weights with an 8-bit residual (lossy) against fp32 master
+    "coat+fp8_adamw, bf16 gradients, bf16+8 master": {
+        **COAT, "grad_dtype": "bfloat16", "optimizer.master_weights": "bf16+8",
+    },
     "coat+fp8_adamw, bf16 forward GEMMs": {**COAT, "fp8.forward_gemm": "bf16"},
     "coat+fp8_adamw, block e4m3": {**COAT, **BLOCK_E4M3},
     "coat+fp8_adamw, bf16 forward GEMMs, block e4m3": {

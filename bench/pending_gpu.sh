@@ -14,6 +14,12 @@
 #                                      through train.py at batch 4 (BF16 + 16-bit master; then
 #                                      batch 5, or BF16 + 8-bit if 4 did not fit): peak,
 #                                      tokens/s, MFU (BATCHES="4 5": those, BF16 + 16-bit)
+#   PART=5 bash bench/pending_gpu.sh   the compiled parts-kernel tests (to turn it on under
+#                                      auto), then Llama-2-13B at batch 4 with it
+#   PART=6 bash bench/pending_gpu.sh   fidelity of bf16 gradients and BF16 + 8-bit master
+#                                      weights against fp32 master, 114M, 2000 steps: SEEDS=0
+#                                      in one call, SEEDS=1 in the next (a machine starts bare:
+#                                      a call must finish its runs; ~2 min each)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -65,5 +71,24 @@ case "${PART:-1}" in
   }
   if [ -n "${BATCHES:-}" ]; then for b in $BATCHES; do train_13b $b bf16+16 || break; done
   elif train_13b 4 bf16+16; then train_13b 5 bf16+16; else train_13b 4 bf16+8; fi
+  ;;
+5)
+  echo "== gpu tests: the fused update on BF16 master weights' parts, compiled"
+  timeout 200 $PY -m pytest -q -m gpu tests/test_master_weights.py tests/test_pallas_adam_update.py \
+    2>&1 | tail -6
+  echo "== Llama-2-13B, batch 4, the parts kernel (optimizer.kernels=pallas)"
+  rm -rf /tmp/pending_13b_run
+  timeout 240 $PY train.py --config configs/llama2_13b.py --config.optimizer.kernels=pallas \
+    --config.steps=8 --config.optimizer.warmup_steps=2 --config.log_interval=2 \
+    --config.eval_interval=1000 --config.checkpoint_interval=0 \
+    --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_b4_parts_h200_$DAY.txt" \
+    | grep -v Warning | tail -6
+  ;;
+6)
+  echo "== fidelity: fp32 master (fp32 / bf16 gradients) vs BF16 + 8-bit master, seed ${SEEDS:-0}"
+  timeout 560 $PY bench/fidelity.py --baseline "coat+fp8_adamw" \
+    --runs "coat+fp8_adamw;coat+fp8_adamw, bf16 gradients;coat+fp8_adamw, bf16 gradients, bf16+8 master" \
+    --seeds "${SEEDS:-0}" --chunk_steps 2000 --time_budget_s 540 --workdir runs/fidelity_master \
+    --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_h200_$DAY.json" 2>&1 | tail -12
   ;;
 esac
