@@ -20,6 +20,9 @@
 #                                      weights against fp32 master, 114M, 2000 steps: SEEDS=0
 #                                      in one call, SEEDS=1 in the next (a machine starts bare:
 #                                      a call must finish its runs; ~2 min each)
+#   PART=7 bash bench/pending_gpu.sh   issue 20: Llama-2-7B tokens/s at the largest batch of
+#                                      the recipe closest to fp32 (BF16 forward GEMMs, row-
+#                                      scaled E4M3 backward) beside COAT's default, one call
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -90,5 +93,13 @@ case "${PART:-1}" in
     --runs "coat+fp8_adamw;coat+fp8_adamw, bf16 gradients;coat+fp8_adamw, bf16 gradients, bf16+8 master" \
     --seeds "${SEEDS:-0}" --chunk_steps 2000 --time_budget_s 540 --workdir runs/fidelity_master \
     --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_h200_$DAY.json" 2>&1 | tail -12
+  ;;
+7)
+  echo "== Llama-2-7B, largest batch: COAT's default, then the recipe closest to fp32"
+  timeout 260 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --time_budget_s 230 \
+    --json "$OUT/e2e_llama2_7b_coat_h200_$DAY.json" 2>&1 | tail -6
+  timeout 280 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --time_budget_s 250 \
+    --set fp8.forward_gemm=bf16 --set fp8.scaling=row --set fp8.grad_format=e4m3 \
+    --json "$OUT/e2e_llama2_7b_fine_recipe_h200_$DAY.json" 2>&1 | tail -6
   ;;
 esac
