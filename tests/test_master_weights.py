@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import coat_jax
 from coat_jax.core import master
 from coat_jax.ops.master_weights import master_weights, to_bf16_parts
-from coat_jax.training import configs
+from coat_jax.training import configs, parallel
 from coat_jax.training.run import assemble
 from pallas_kernels import dispatch
 
@@ -200,6 +200,24 @@ def test_auto_gradients_are_bf16_where_the_fused_update_runs(overrides, want):
     configs.validate(config)
     run = assemble(config)
     assert run.grad_dtype == want
+
+
+def test_repack_keeps_values_and_frees_the_old_buffers_unless_the_host_is_short(monkeypatch):
+    """``parallel.repack`` (run after the split): same values and dtypes in new buffers, the
+    old ones deleted; with less host memory available than the arrays it warns and keeps them."""
+    tree = {"w": jax.random.normal(jax.random.key(0), (64, 32)).astype(jnp.bfloat16),
+            "r": jnp.arange(2048, dtype=jnp.int16).reshape(64, 32), "n": 3}  # fmt: skip
+    want = jax.device_get(tree)
+    old = jax.tree.leaves(tree)
+    monkeypatch.setattr(parallel, "_available_host_bytes", lambda: 1000)
+    with pytest.warns(UserWarning, match="repack skipped"):
+        assert parallel.repack(tree) is tree
+    monkeypatch.setattr(parallel, "_available_host_bytes", lambda: None)
+    packed = parallel.repack(tree)
+    assert all(x.is_deleted() for x in old if isinstance(x, jax.Array)) and packed["n"] == 3
+    for key in ("w", "r"):
+        assert packed[key].dtype == want[key].dtype
+        np.testing.assert_array_equal(np.asarray(packed[key]), want[key])
 
 
 def test_public_name():

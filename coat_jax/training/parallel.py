@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,12 +115,22 @@ def repack(tree):
     the arrays that outlive it, and the train step's temporary buffer, one contiguous block,
     may then find no room although the free bytes add up. Written back in one pass into an
     emptied pool, the arrays lie packed from its low end. Each process copies its own shards
-    (host memory: its share of ``tree``); values and shardings are unchanged.
+    (host memory: its share of ``tree``); values and shardings are unchanged. Where the host
+    has less memory available than that (Linux's ``MemAvailable``, with a 10% margin), it warns
+    and returns ``tree`` as it is.
     """
     leaves, treedef = jax.tree.flatten(tree)
     arrays = list({id(x): x for x in leaves if isinstance(x, jax.Array)}.values())
     counts = [len(x.addressable_shards) for x in arrays]
     shards = [s for x in arrays for s in x.addressable_shards]
+    need, free = sum(s.data.nbytes for s in shards), _available_host_bytes()
+    if free is not None and need > 0.9 * free:
+        warnings.warn(
+            f"repack skipped: {need / 2**30:.1f} GiB of arrays, {free / 2**30:.1f} GiB of host "
+            "memory available; the step's temporary buffer may find no contiguous room",
+            stacklevel=2,
+        )
+        return tree
     host = jax.device_get([s.data for s in shards])  # all copies started before any waits
     devices = [s.device for s in shards]
     for x in arrays:
@@ -133,6 +144,18 @@ def repack(tree):
     }  # fmt: skip
     rebuilt = [rebuilt.get(id(x), x) for x in leaves]
     return jax.tree.unflatten(treedef, rebuilt)
+
+
+def _available_host_bytes() -> int | None:
+    """The host memory available to a new allocation (``/proc/meminfo``), ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def make_placement(mesh: Mesh, params, optimizer, rules=sharding.RULES) -> Placement:
