@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax.core.formats import Fp8Format
-from coat_jax.core.quant import QuantizedArray, decode, dequantize, encode, quantize
+from coat_jax.core.quant import QuantizedArray, decode, dequantize, encode, finite_amax, quantize
 from pallas_kernels import dispatch
 from pallas_kernels.tiling import block_shape
 
@@ -55,11 +55,6 @@ class FusedQuantizeTuning:
     num_stages: int = 1
 
 
-def _finite_max(y):
-    y = jnp.abs(y.astype(jnp.float32))
-    return jnp.max(jnp.where(y < jnp.inf, y, 0.0))
-
-
 def save_and_operand_reference(inputs, fn: Callable, extras=(), *, saved_fmt: Fp8Format,
                                group: int, operand_fmt: Fp8Format, amax_of=None):  # fmt: skip
     """``(saved inputs, operand)``: each input quantized in 1x``group`` groups, and
@@ -70,7 +65,7 @@ def save_and_operand_reference(inputs, fn: Callable, extras=(), *, saved_fmt: Fp
            *(e.reshape(1, -1) for e in extras))  # fmt: skip
     if amax_of is None:
         return saved, quantize(y, operand_fmt)
-    return saved, quantize(y, operand_fmt, amax=amax_of(_finite_max(y)))
+    return saved, quantize(y, operand_fmt, amax=amax_of(finite_amax(y)))
 
 
 def save_and_operand(
@@ -132,8 +127,8 @@ def save_and_operand(
             q_ref[...] = codes.reshape(br, bc)
             a_ref[...] = amax
             xs.append(decoded(codes, amax))
-        y = jnp.abs(fn(*xs, *(e[...] for e in e_refs)).astype(jnp.float32))
-        m_ref[...] = jnp.max(jnp.where(y < jnp.inf, y, 0.0), keepdims=True).reshape(1, 1)
+        y = fn(*xs, *(e[...] for e in e_refs))
+        m_ref[...] = finite_amax(y, keepdims=True).reshape(1, 1)
 
     outs = jax.ShapeDtypeStruct((rows, cols), saved_fmt.dtype)
     scales = jax.ShapeDtypeStruct((rows, cols // group), jnp.float32)

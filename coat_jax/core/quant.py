@@ -40,6 +40,7 @@ __all__ = [
     "decode",
     "dequantize",
     "encode",
+    "finite_amax",
     "from_groups",
     "from_param_layout",
     "group_layout",
@@ -211,6 +212,13 @@ TINY_AMAX = 2.0**-64
 """Group maxima below this are scaled up by 2^64 before ``fmax / amax`` (see :func:`encode`)."""
 
 
+def finite_amax(x, axis=None, keepdims: bool = False) -> jax.Array:
+    """``max |x|`` over the finite elements along ``axis`` (all by default), fp32; 0 where none
+    is. Comparisons only (a kernel-friendly ``isfinite``): the Pallas kernels call it on tiles."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(a < jnp.inf, a, 0.0), axis=axis, keepdims=keepdims)
+
+
 def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None, log=jnp.log):
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 
@@ -236,7 +244,7 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
         scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt, log=log)
         return cast(scaled), amax, expansion.encode_k(k)
     if amax is None:
-        amax = jnp.max(jnp.where(jnp.abs(x) < jnp.inf, jnp.abs(x), 0.0), axis=axes)
+        amax = finite_amax(x, axis=axes)
     amax = jnp.asarray(amax, jnp.float32)
     # fmax / amax per group, then a product: XLA turns a division by a broadcast scale
     # into a product with its reciprocal, which flushes to zero for amax > 2^126. Below

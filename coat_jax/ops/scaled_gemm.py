@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax.core.formats import Fp8Format
-from coat_jax.core.quant import QuantizedArray, dequantize, encode, to_groups
+from coat_jax.core.quant import QuantizedArray, dequantize, encode, finite_amax, to_groups
 
 __all__ = ["BLOCK", "OPERAND_ROLES", "dequantize_operand", "quantize_operand", "scaled_matmul"]
 
@@ -80,7 +80,7 @@ def quantize_operand(x: jax.Array, fmt: Fp8Format, scaling: str, role: str) -> Q
     if role not in OPERAND_ROLES:
         raise ValueError(f"role={role!r}: expected one of {OPERAND_ROLES}")
     groups = to_groups(x.astype(jnp.float32), _group_size(scaling, x.shape[-1]))
-    amax = jnp.max(jnp.where(jnp.abs(groups) < jnp.inf, jnp.abs(groups), 0.0), axis=-1)
+    amax = finite_amax(groups, axis=-1)
     if role == "weight" and scaling == "block":
         amax = _block_max(amax, BLOCK)
     codes, amax, _ = encode(groups, fmt, False, per_group=True, amax=amax)
