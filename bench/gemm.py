@@ -67,8 +67,10 @@ def inputs(m, k, n, seed=0):
     }
 
 
-def variants():
-    """name -> (function of the inputs dict, reference or None)."""
+def variants(block_configs: bool = False):
+    """name -> (function of the inputs dict, reference or None). ``block_configs``: also one
+    "Pallas block-scaled #i" column per autotune candidate of the block-scaled kernel (forced,
+    so each is timed by CUPTI side by side; their configs in the JSON's ``block_configs``)."""
 
     @jax.jit
     def xla_bf16(x):
@@ -100,7 +102,7 @@ def variants():
     ref_bs = lambda x: fm.fp8_matmul_block_scaled_reference(
         x["a8"], x["sa"], x["b8"], x["sb"], out_dtype=jnp.float32
     )
-    return {
+    table = {
         "XLA bf16": (xla_bf16, None),
         "XLA cuBLASLt FP8": (xla_fp8, None),
         "XLA cuBLASLt FP8, (N, K) weight": (xla_fp8_tn, None),
@@ -108,6 +110,14 @@ def variants():
         "Pallas block-scaled": (block, ref_bs),
         "Pallas fused 1x16": (quant, ref_pt),
     }
+    if block_configs:
+        for i, cfg in enumerate(fm.config_candidates("block_scaled")):
+
+            def forced(x, cfg=cfg):
+                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
+
+            table[f"Pallas block-scaled #{i}"] = (forced, ref_bs)
+    return table
 
 
 FP8_GEMM_CALL = "__cublas$lt$matmul$f8"
@@ -157,6 +167,10 @@ def main():
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 8192x4096x4096 (MxKxN)")
+    parser.add_argument("--only", default="", help="comma-separated substrings: time only the "
+                        "variants whose name contains one (default: all)")  # fmt: skip
+    parser.add_argument("--block_configs", action="store_true",
+                        help="one column per block-scaled candidate config, forced")  # fmt: skip
     args = parser.parse_args()
     try:
         shapes = SHAPES if args.shapes == "all" else [
@@ -167,7 +181,12 @@ def main():
         raise SystemExit(f"gemm.py: --shapes {args.shapes!r}: expected 'all' or MxKxN,..."
                          ) from None  # fmt: skip
     time_fn = timer(args.iters, args.inner)
-    table = variants()
+    table = variants(args.block_configs)
+    if args.only:
+        keep = [w.strip() for w in args.only.split(",") if w.strip()]
+        table = {k: v for k, v in table.items() if any(w in k for w in keep)}
+        if not table:
+            raise SystemExit(f"gemm.py: --only {args.only!r} matches no variant")
     errors = {}
     if args.check:
         for name, (fn, ref) in table.items():
@@ -187,6 +206,8 @@ def main():
             json.dump({"date": datetime.date.today().isoformat(), "device": device,
                        "iters": args.iters, "complete": done, "rows": rows,
                        "check_errors": errors, "tuned_configs": tuned,
+                       "block_configs": [dataclasses.asdict(c) for c in
+                                         fm.config_candidates("block_scaled")],
                        "autotune_log": tune_log}, f, indent=2)  # fmt: skip
 
     for m, k, n in shapes:

@@ -19,10 +19,16 @@
 #   PART=6 bash bench/pending_gpu.sh   fidelity of bf16 gradients and BF16 + 8-bit master
 #                                      weights against fp32 master, 114M, 2000 steps: SEEDS=0
 #                                      in one call, SEEDS=1 in the next (a machine starts bare:
-#                                      a call must finish its runs; ~2 min each)
+#                                      a call must finish its runs; ~2 min each); RUNS=...
+#                                      (fidelity.py --runs) and SEEDS=0,1 fit fewer runs of
+#                                      more seeds in one call
 #   PART=7 bash bench/pending_gpu.sh   issue 20: Llama-2-7B tokens/s at the largest batch of
 #                                      the recipe closest to fp32 (BF16 forward GEMMs, row-
 #                                      scaled E4M3 backward) beside COAT's default, one call
+#   PART=8 bash bench/pending_gpu.sh   issue 20: the block-scaled GEMM's compiled tests (every
+#                                      candidate config), then each candidate's TFLOP/s beside
+#                                      the per-tensor kernel and cuBLASLt FP8 (one call), then
+#                                      the parts kernel's compiled tests (PART=5's first half)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -90,9 +96,22 @@ case "${PART:-1}" in
 6)
   echo "== fidelity: fp32 master (fp32 / bf16 gradients) vs BF16 + 8-bit master, seed ${SEEDS:-0}"
   timeout 560 $PY bench/fidelity.py --baseline "coat+fp8_adamw" \
-    --runs "coat+fp8_adamw;coat+fp8_adamw, bf16 gradients;coat+fp8_adamw, bf16 gradients, bf16+8 master" \
+    --runs "${RUNS:-coat+fp8_adamw;coat+fp8_adamw, bf16 gradients;coat+fp8_adamw, bf16 gradients, bf16+8 master}" \
     --seeds "${SEEDS:-0}" --chunk_steps 2000 --time_budget_s 540 --workdir runs/fidelity_master \
-    --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_h200_$DAY.json" 2>&1 | tail -12
+    --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_h200_$DAY.json" 2>&1 | tail -14
+  ;;
+8)
+  echo "== gpu tests: the block-scaled GEMM (every candidate config), compiled"
+  timeout 150 $PY -m pytest -q -m gpu -k block_scaled tests/test_pallas_fp8_matmul.py \
+    2>&1 | tail -8
+  echo "== block-scaled GEMM: each candidate beside the per-tensor kernel and cuBLASLt FP8"
+  timeout 270 $PY bench/gemm.py --iters 20 --block_configs \
+    --shapes 8192x4096x11008,8192x4096x4096,8192x11008x4096 \
+    --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
+    --json "$OUT/gemm_block_scaled_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+  echo "== gpu tests: the fused update on BF16 master weights' parts, compiled"
+  timeout 120 $PY -m pytest -q -m gpu tests/test_master_weights.py tests/test_pallas_adam_update.py \
+    2>&1 | tail -6
   ;;
 7)
   echo "== Llama-2-7B, largest batch: COAT's default, then the recipe closest to fp32"

@@ -26,7 +26,9 @@ row-major and ``b`` is ``(N, K)`` row-major: the weight is stored transposed, ``
 ``W^T``. Backward needs ``dY @ W`` (``W`` ``(K, N)`` is already K-major over N, no copy) and
 ``X^T @ dY`` (both transposed: ``X^T`` and ``dY^T``, i.e. column-major copies), see
 :func:`fp8_dot_general`. Block scales of ``A`` travel transposed, ``(K/128, M)``, so that one
-K step's scales for a tile of rows are one contiguous TMA box.
+K step's scales for a tile of rows are one contiguous TMA box; the weight's block scales
+travel the same way, repeated over their 128 columns (``(K/128, N)``), and are read from
+shared memory, loaded before the step's ``wgmma`` is waited on.
 
 The kernel: a persistent grid (one CTA per SM) walking output tiles in a "planar snake" order;
 per CTA two compute warpgroups (each a ``tile_m x tile_n`` fp32 accumulator in registers, side by
@@ -103,6 +105,10 @@ class GemmConfig:
       grid_minor: the output-tile walk's minor dimension, ``"m"`` or ``"n"``.
       grid_tile_width: tiles per band of the walk (L2 reuse).
       epi_tile_m, epi_tile_n: staging tile of the BF16/fp32 epilogue.
+      b_scales_in_smem: block-scaled only: the weight's block scales travel with the operands
+        through the TMA pipeline (repeated per column, ``(K/128, N)``, one 4-byte-per-column
+        row per K step) and are read from shared memory; ``False`` reads one scalar per K step
+        from global memory (the 2026-11-30 kernel's way: a global load on every promotion).
     """
 
     tile_m: int = 128
@@ -114,6 +120,7 @@ class GemmConfig:
     grid_tile_width: int = 8
     epi_tile_m: int = 64
     epi_tile_n: int = 64
+    b_scales_in_smem: bool = True
 
     @property
     def cta_m(self) -> int:
@@ -142,11 +149,14 @@ class GemmConfig:
 def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
     """The configs :func:`autotune` times (each checked against ``variant``'s limits)."""
     if variant == "block_scaled":
+        # 64x32 epilogue staging frees 16 KiB: 4 pipeline steps instead of 3 at a 128x256 CTA
         raw = [
             GemmConfig(128, 128, 128, 4, "n"),
-            GemmConfig(128, 128, 128, 6, "n"),
-            GemmConfig(128, 128, 128, 4, "m"),
+            GemmConfig(128, 128, 128, 4, "n", b_scales_in_smem=False),
+            GemmConfig(128, 128, 128, 4, "n", epi_tile_n=32),
+            GemmConfig(128, 128, 128, 4, "m", epi_tile_n=32),
             GemmConfig(64, 128, 128, 6, "n"),
+            GemmConfig(64, 128, 128, 6, "m"),
         ]
     else:
         steps_256 = 3 if variant == "quantize_1x16" else 4
@@ -177,13 +187,15 @@ _SMEM_RESERVE = 256  # barriers and alignment (H200: 64 bytes beside the buffers
 
 def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
     """Shared memory of the kernel's buffers: the pipeline's ``max_concurrent_steps`` slots of
-    both FP8 operand tiles (and the K step's activation scales when block-scaled), plus the
+    both FP8 operand tiles (and the K step's scales when block-scaled), plus the
     epilogue's staging (two warpgroups x two slots of the BF16/fp32 tile, or the FP8 codes,
     group amax (stored transposed, ``(tile_n/16, tile_m)``) and cross-warp max scratch of the
     1x16 epilogue). Matches what Mosaic GPU reported on an H200 (fp32 per-tensor 4 steps:
     262,208; 1x16: 239,680) to 256 bytes."""
     c = config
-    step = (c.cta_m + c.cta_n) * c.tile_k + (4 * c.cta_m if variant == "block_scaled" else 0)
+    step = (c.cta_m + c.cta_n) * c.tile_k
+    if variant == "block_scaled":  # the K step's fp32 scales: rows of A (and columns of B)
+        step += 4 * (c.cta_m + (c.cta_n if c.b_scales_in_smem else 0))
     if variant == "quantize_1x16":
         epilogue = 2 * c.tile_m * c.tile_n + 2 * (c.tile_n // GROUP) * c.tile_m * 4 + 16 * c.tile_m
     else:
@@ -336,6 +348,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     split_m = cfg.wg_split == "m"
     block = variant == "block_scaled"
     quant = variant == "quantize_1x16"
+    sb_in_smem = block and cfg.b_scales_in_smem
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     n_epi = (tile_m // epi_m) * (tile_n // epi_n)
     slots = min(2, n_epi)
@@ -357,6 +370,10 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 in_specs.append(
                     plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
                 )
+            if sb_in_smem:  # and the weight's, one per column of the CTA
+                in_specs.append(
+                    plgpu.BlockSpec((1, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
+                )
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
@@ -369,7 +386,9 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
             )
 
         ignore = lambda *_, **__: None
-        gmem_ins = (a_gmem, b_gmem, sa_gmem) if block else (a_gmem, b_gmem)
+        gmem_ins = (a_gmem, b_gmem) + ((sa_gmem,) if block else ()) + (
+            (sb_gmem,) if sb_in_smem else ()
+        )
         scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(*gmem_ins)}
         if quant:
             scratch["codes_smem"] = plgpu.SMEM((2, tile_m, tile_n), jnp.float8_e4m3fn)
@@ -405,26 +424,32 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 def mma(a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].transpose((1, 0)))
 
-                def step_scale(sa_smem, kk):
-                    """The K step's promotion multipliers of this warpgroup's rows, (tile_m,)."""
+                def step_scale(kk, sa_smem, sb_smem=None):
+                    """The K step's promotion multipliers of this warpgroup's rows, (tile_m,):
+                    its activation scales times the weight block's scale."""
                     sa_rows = sa_smem.at[0, wg_rows] if split_m else sa_smem.at[0]
                     row_scale = mgpu.load(sa_rows, plgpu.Layout.WGMMA.reduce(1))
-                    return row_scale * sb_gmem[lax.div(col0, BLOCK), kk]
+                    if sb_smem is None:
+                        return row_scale * sb_gmem[lax.div(col0, BLOCK), kk]
+                    return row_scale * sb_smem[0, 0 if split_m else wg * tile_n]
 
                 def promote(total, part, scale):
                     return total + part * lax.broadcast_in_dim(scale, (tile_m, tile_n), (0,))
 
                 if block:
 
-                    def body(idx, a_smem, b_smem, sa_smem, carry):
+                    def body(idx, a_smem, b_smem, *scales_and_carry):
                         (kk,) = idx
+                        *scale_smem, carry = scales_and_carry
+                        # loaded before the wgmma is waited on: their latency hides behind it
+                        scale = step_scale(kk, *scale_smem)
 
                         def step(part_ref):  # a fresh fp32 accumulator per 128 of K
                             mma(a_smem, b_smem, part_ref)
                             return part_ref[...]
 
                         part = pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
-                        return promote(carry, part, step_scale(sa_smem, kk))
+                        return promote(carry, part, scale)
 
                     def compute(eval_pipeline):
                         _epilogue(eval_pipeline(zeros()))
@@ -492,6 +517,8 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 args = (a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :])
                 if block:
                     args += (sa_gmem.at[:, cta_rows],)
+                if sb_in_smem:
+                    args += (sb_gmem.at[:, cta_cols],)
                 pipeline(body, compute)(*args, allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -525,6 +552,8 @@ def _run(a, b, s1, s2, *, variant, out_dtype, config, shape):
     if variant == "block_scaled":
         sa_t = _pad2(s1.astype(jnp.float32), mp, kp // BLOCK, 1.0).T  # (K/128, Mp)
         sb = _pad2(s2.astype(jnp.float32), np_ // BLOCK, kp // BLOCK, 1.0)
+        if config.b_scales_in_smem:  # (K/128, Np): each block's scale over its 128 columns
+            sb = jnp.repeat(sb.T, BLOCK, axis=1)
         return call(a_p, b_p, sa_t, sb)[:m, :n]
     out = call(a_p, b_p, s1.reshape(1).astype(jnp.float32))
     if variant == "quantize_1x16":

@@ -134,8 +134,8 @@ def test_config_checks_and_candidates():
     for variant in fm.VARIANTS:
         cands = fm.config_candidates(variant)
         assert cands and len(set(cands)) == len(cands)
-        # block scaling pins tile_k == tile_n == 128: 4 candidates; the others 6
-        assert len(cands) == (4 if variant == "block_scaled" else 6), (variant, cands)
+        # six each (block scaling pins tile_k == tile_n == 128)
+        assert len(cands) == 6, (variant, cands)
         for c in cands:
             c.check(variant)
     with pytest.raises(ValueError, match="tile_k"):
@@ -314,6 +314,17 @@ def test_gpu_block_scaled(m, k, n):
     got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32, autotune=False)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
     _assert_every_tile_close(got, want, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", fm.config_candidates("block_scaled"), ids=str)
+def test_gpu_block_scaled_each_config(config):
+    """Each autotune candidate (weight scales from shared or global memory, both epilogue
+    stagings, both warpgroup splits) on a ragged shape with several K steps."""
+    a, sa, b, sb = block_scaled_inputs(1000, 640, 520)
+    got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.bfloat16, config=config)
+    want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
+    _assert_every_tile_close(got, want, 1e-2)
 
 
 @pytest.mark.gpu
