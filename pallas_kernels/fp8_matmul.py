@@ -31,10 +31,10 @@ travel the same way, repeated over their 128 columns (``(K/128, N)``), and are r
 shared memory, loaded before the step's ``wgmma`` is waited on.
 
 The kernel: a persistent grid (one CTA per SM) walking output tiles in a "planar snake" order;
-per CTA two compute warpgroups (each a ``tile_m x tile_n`` fp32 accumulator in registers, side by
-side in N or M) and one memory warpgroup feeding a ``max_concurrent_steps``-deep TMA pipeline
-(``emit_pipeline_warp_specialized``); the epilogue stages the output through shared memory and
-TMA-stores it.
+per CTA ``compute_wgs`` (2-4) compute warpgroups (each a ``tile_m x tile_n`` fp32 accumulator
+in registers, side by side in N or M) and one memory warpgroup feeding a
+``max_concurrent_steps``-deep TMA pipeline (``emit_pipeline_warp_specialized``); the epilogue
+stages the output through shared memory and TMA-stores it.
 
 Limits: the wrapper pads M, N (to the CTA tile) and K (to ``tile_k``) with zeros when they are
 not multiples, and slices the result: one extra copy of each padded operand (``M K`` and ``N K``
@@ -100,8 +100,8 @@ class GemmConfig:
       tile_k: K per pipeline step, a multiple of 128 (one 128-byte swizzle row of FP8).
       max_concurrent_steps: depth of the TMA pipeline (shared memory: ``steps x (cta_m + cta_n)
         x tile_k`` bytes).
-      wg_split: ``"n"``: the two compute warpgroups sit side by side in N (CTA tile
-        ``tile_m x 2 tile_n``); ``"m"``: stacked in M.
+      wg_split: ``"n"``: the compute warpgroups sit side by side in N (CTA tile
+        ``tile_m x compute_wgs tile_n``); ``"m"``: stacked in M.
       grid_minor: the output-tile walk's minor dimension, ``"m"`` or ``"n"``.
       grid_tile_width: tiles per band of the walk (L2 reuse).
       epi_tile_m, epi_tile_n: staging tile of the BF16/fp32 epilogue.
@@ -109,6 +109,10 @@ class GemmConfig:
         through the TMA pipeline (repeated per column, ``(K/128, N)``, one 4-byte-per-column
         row per K step) and are read from shared memory; ``False`` reads one scalar per K step
         from global memory (the 2026-11-30 kernel's way: a global load on every promotion).
+      compute_wgs: compute warpgroups per CTA (2-4; one more feeds the pipeline), side by side
+        along ``wg_split``. Block scaling waits for each K step's ``wgmma`` before promoting it,
+        so more warpgroups keep the tensor core busy while others promote; their registers
+        shrink with the count (``(512 - 40) / compute_wgs`` per thread, at most 232).
     """
 
     tile_m: int = 128
@@ -121,14 +125,15 @@ class GemmConfig:
     epi_tile_m: int = 64
     epi_tile_n: int = 64
     b_scales_in_smem: bool = True
+    compute_wgs: int = 2
 
     @property
     def cta_m(self) -> int:
-        return self.tile_m * (2 if self.wg_split == "m" else 1)
+        return self.tile_m * (self.compute_wgs if self.wg_split == "m" else 1)
 
     @property
     def cta_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "n" else 1)
+        return self.tile_n * (self.compute_wgs if self.wg_split == "n" else 1)
 
     def check(self, variant: str = "per_tensor") -> None:
         """Raises ``ValueError`` for a config the kernel cannot run."""
@@ -136,6 +141,8 @@ class GemmConfig:
             raise ValueError(f"{self}: tile_m % 64 == 0 and tile_n in [8, 256] % 8 needed")
         if self.tile_k % 128:
             raise ValueError(f"{self}: tile_k must be a multiple of 128 (FP8 swizzle row)")
+        if self.compute_wgs not in (2, 3, 4):
+            raise ValueError(f"{self}: compute_wgs must be 2, 3 or 4")
         if self.wg_split not in ("m", "n") or self.grid_minor not in ("m", "n"):
             raise ValueError(f"{self}: wg_split and grid_minor are 'm' or 'n'")
         if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
@@ -149,14 +156,16 @@ class GemmConfig:
 def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
     """The configs :func:`autotune` times (each checked against ``variant``'s limits)."""
     if variant == "block_scaled":
-        # 64x32 epilogue staging frees 16 KiB: 4 pipeline steps instead of 3 at a 128x256 CTA
+        # 64-row warpgroup tiles: 128-row ones ran at 430-520 TFLOP/s on an H200 (2026-12-02,
+        # gemm_block_scaled_h200_2026-12-02.json) against 1,070-1,100. More than two warpgroups
+        # only stacked in M (a TMA box is at most 256 rows of B); 64x32 epilogue staging
+        # leaves room for a third pipeline step at four warpgroups.
         raw = [
-            GemmConfig(128, 128, 128, 4, "n"),
-            GemmConfig(128, 128, 128, 4, "n", b_scales_in_smem=False),
-            GemmConfig(128, 128, 128, 4, "n", epi_tile_n=32),
-            GemmConfig(128, 128, 128, 4, "m", epi_tile_n=32),
-            GemmConfig(64, 128, 128, 6, "n"),
             GemmConfig(64, 128, 128, 6, "m"),
+            GemmConfig(64, 128, 128, 6, "n"),
+            GemmConfig(64, 128, 128, 6, "n", b_scales_in_smem=False),
+            GemmConfig(64, 128, 128, 6, "m", compute_wgs=3),
+            GemmConfig(64, 128, 128, 6, "m", epi_tile_n=32, compute_wgs=4),
         ]
     else:
         steps_256 = 3 if variant == "quantize_1x16" else 4
@@ -180,6 +189,12 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
 
 DEFAULT_CONFIG = GemmConfig()
 
+
+def default_config(variant: str = "per_tensor") -> GemmConfig:
+    """The config a shape runs with before (or without) autotuning: the variant's first
+    candidate, the fastest measured on an H200 (per tensor and 1x16: :data:`DEFAULT_CONFIG`)."""
+    return config_candidates(variant)[0]
+
 SMEM_LIMIT = 232_448
 """Shared memory one CTA may use on Hopper (227 KiB, H100/H200); Mosaic GPU refuses more."""
 _SMEM_RESERVE = 256  # barriers and alignment (H200: 64 bytes beside the buffers counted below)
@@ -196,11 +211,13 @@ def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
     step = (c.cta_m + c.cta_n) * c.tile_k
     if variant == "block_scaled":  # the K step's fp32 scales: rows of A (and columns of B)
         step += 4 * (c.cta_m + (c.cta_n if c.b_scales_in_smem else 0))
+    wgs = c.compute_wgs
     if variant == "quantize_1x16":
-        epilogue = 2 * c.tile_m * c.tile_n + 2 * (c.tile_n // GROUP) * c.tile_m * 4 + 16 * c.tile_m
+        epilogue = wgs * (c.tile_m * c.tile_n + (c.tile_n // GROUP) * c.tile_m * 4) + 16 * c.tile_m
     else:
         n_epi = (c.tile_m // c.epi_tile_m) * (c.tile_n // c.epi_tile_n)
-        epilogue = 2 * min(2, n_epi) * c.epi_tile_m * c.epi_tile_n * jnp.dtype(out_dtype).itemsize
+        tile_bytes = c.epi_tile_m * c.epi_tile_n * jnp.dtype(out_dtype).itemsize
+        epilogue = wgs * min(2, n_epi) * tile_bytes
     return c.max_concurrent_steps * step + epilogue + _SMEM_RESERVE
 
 
@@ -349,6 +366,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     block = variant == "block_scaled"
     quant = variant == "quantize_1x16"
     sb_in_smem = block and cfg.b_scales_in_smem
+    wgs = cfg.compute_wgs
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     n_epi = (tile_m // epi_m) * (tile_n // epi_n)
     slots = min(2, n_epi)
@@ -380,7 +398,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 memory_registers=40,
                 in_specs=in_specs,
                 wg_axis="wg",
-                num_compute_wgs=2,
+                num_compute_wgs=cfg.compute_wgs,
                 max_concurrent_steps=cfg.max_concurrent_steps,
                 compute_context=compute_context,
             )
@@ -391,11 +409,11 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
         )
         scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(*gmem_ins)}
         if quant:
-            scratch["codes_smem"] = plgpu.SMEM((2, tile_m, tile_n), jnp.float8_e4m3fn)
-            scratch["amax_smem"] = plgpu.SMEM((2, tile_n // GROUP, tile_m), jnp.float32)
+            scratch["codes_smem"] = plgpu.SMEM((wgs, tile_m, tile_n), jnp.float8_e4m3fn)
+            scratch["amax_smem"] = plgpu.SMEM((wgs, tile_n // GROUP, tile_m), jnp.float32)
         else:
             scratch["out_smem"] = plgpu.SMEM(
-                (2, slots, epi_m, epi_n), out_dtype, transforms=_out_transforms(epi_n, out_dtype)
+                (wgs, slots, epi_m, epi_n), out_dtype, transforms=_out_transforms(epi_n, out_dtype)
             )
 
         @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
@@ -535,7 +553,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
         out_type=out_type,
         grid=(mgpu.num_sms(),),
         grid_names=("sm",),
-        num_threads=3,
+        num_threads=cfg.compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
@@ -588,7 +606,7 @@ def _tune_key(variant, m, n, k, a_dtype, b_dtype, out_dtype) -> tuple:
 def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iters: int = 5,
              candidates=None) -> GemmConfig:  # fmt: skip
     """Times each candidate config on the GPU, caches and returns the fastest (one that
-    compiled). Falls back to :data:`DEFAULT_CONFIG` when none runs (errors in AUTOTUNE_LOG,
+    compiled). Falls back to :func:`default_config` when none runs (errors in AUTOTUNE_LOG,
     and a warning). Call it eagerly (outside ``jit``), e.g. once per shape before training:
     the wrappers use a shape's tuned config under ``jit`` but do not tune while tracing."""
     key = _tune_key(variant, m, n, k, a_dtype, b_dtype, out_dtype)
@@ -615,7 +633,7 @@ def autotune(variant, m, n, k, a_dtype, b_dtype, out_dtype=jnp.bfloat16, *, iter
     if best is None:
         last = log[-1]["error"] if log else "no candidates"
         warnings.warn(f"fp8_matmul autotune {key}: none ran ({last}); default config", stacklevel=2)
-    _TUNED[key] = best or DEFAULT_CONFIG
+    _TUNED[key] = best or default_config(variant)
     return _TUNED[key]
 
 
@@ -626,7 +644,7 @@ def _config_for(variant, m, n, k, a, b, out_dtype, config, autotune_eager: bool)
         if autotune_eager and not tracing:
             config = autotune(variant, m, n, k, a.dtype, b.dtype, out_dtype)
         else:  # under jit: a config tuned eagerly before, else the default
-            config = _TUNED.get(key, DEFAULT_CONFIG)
+            config = _TUNED.get(key) or default_config(variant)
     config.check(variant)
     fitted = fit_smem(config, variant, out_dtype)  # a given config too: its pipeline may shorten
     if fitted is None:
