@@ -22,9 +22,17 @@
 #                                      a call must finish its runs; ~2 min each); RUNS=...
 #                                      (fidelity.py --runs) and SEEDS=0,1 fit fewer runs of
 #                                      more seeds in one call
-#   PART=7 bash bench/pending_gpu.sh   issue 20: Llama-2-7B tokens/s at the largest batch of
-#                                      the recipe closest to fp32 (BF16 forward GEMMs, row-
-#                                      scaled E4M3 backward) beside COAT's default, one call
+#   PART=7 bash bench/pending_gpu.sh   issue 20: Llama-2-7B tokens/s of the recipe closest to
+#                                      fp32 (BF16 forward GEMMs, row-scaled E4M3 backward) at
+#                                      batch 8 and its largest batch; RECIPE=default: COAT's
+#                                      default the same way (one call each: on 2026-12-02 both
+#                                      in one call left no time for the largest-batch search,
+#                                      a 7B compile takes 72-76 s)
+#   PART=9 bash bench/pending_gpu.sh   114M throughput: train.py's tokens/s (COAT fp32 master;
+#                                      bf16+8 rebuilt around the kernel; bf16+8 on the parts
+#                                      kernel) beside the step alone (bench/profile_step.py):
+#                                      the 12-02 fidelity call saw 273k and 190k against 367k
+#                                      on 11-30
 #   PART=8 bash bench/pending_gpu.sh   issue 20: the block-scaled GEMM's compiled tests (every
 #                                      candidate config), then each candidate's TFLOP/s beside
 #                                      the per-tensor kernel and cuBLASLt FP8 (one call), then
@@ -114,11 +122,30 @@ case "${PART:-1}" in
     2>&1 | tail -6
   ;;
 7)
-  echo "== Llama-2-7B, largest batch: COAT's default, then the recipe closest to fp32"
-  timeout 260 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --time_budget_s 230 \
-    --json "$OUT/e2e_llama2_7b_coat_h200_$DAY.json" 2>&1 | tail -6
-  timeout 280 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --time_budget_s 250 \
-    --set fp8.forward_gemm=bf16 --set fp8.scaling=row --set fp8.grad_format=e4m3 \
-    --json "$OUT/e2e_llama2_7b_fine_recipe_h200_$DAY.json" 2>&1 | tail -6
+  if [ "${RECIPE:-fine}" = default ]; then sets=(); tag=coat
+  else sets=(--set fp8.forward_gemm=bf16 --set fp8.scaling=row --set fp8.grad_format=e4m3)
+    tag=fine_recipe; fi
+  echo "== Llama-2-7B, batch 8 then the largest batch: COAT + fp8_adamw, recipe $tag"
+  timeout 560 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --batch 8 \
+    --max_compiles 3 --time_budget_s 520 "${sets[@]}" \
+    --json "$OUT/e2e_llama2_7b_${tag}_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+  ;;
+9)
+  run_114m() {  # tag, overrides...
+    local tag=$1; shift
+    echo "== Llama-114M through train.py, 300 steps: $tag"
+    rm -rf "/tmp/p9_$tag"
+    timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=300 \
+      --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+      --config.workdir="/tmp/p9_$tag" "$@" 2>&1 | grep -E "tokens_per_s|Error|error" | tail -3
+    cp "/tmp/p9_$tag/metrics.jsonl" "$OUT/throughput_114m_${tag}_h200_$DAY.jsonl" 2>/dev/null
+  }
+  run_114m coat_fp32_master --config.grad_dtype=float32
+  run_114m coat_bf16_8 --config.grad_dtype=bfloat16 --config.optimizer.master_weights=bf16+8
+  run_114m coat_bf16_8_parts --config.grad_dtype=bfloat16 \
+    --config.optimizer.master_weights=bf16+8 --config.optimizer.kernels=pallas
+  echo "== the step alone (bench/profile_step.py), fp32 master"
+  timeout 150 $PY bench/profile_step.py --config configs/llama_114m.py --set grad_dtype=float32 \
+    --json "$OUT/profile_step_114m_h200_$DAY.json" 2>&1 | grep -E "step_ms|tokens" | tail -3
   ;;
 esac
