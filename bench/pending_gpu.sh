@@ -37,6 +37,11 @@
 #                                      candidate config), then each candidate's TFLOP/s beside
 #                                      the per-tensor kernel and cuBLASLt FP8 (one call), then
 #                                      the parts kernel's compiled tests (PART=5's first half)
+#   PART=10 bash bench/pending_gpu.sh  issue 18: Llama-2-7B with the update in the backward
+#                                      pass (optimizer.update_in_backward): peak at batch 1 with
+#                                      BF16 + 16-bit and + 8-bit master weights (target <= 45
+#                                      GB), then the planner's largest batch (target >= 18,
+#                                      3.5x BF16's 5)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -129,6 +134,24 @@ case "${PART:-1}" in
   timeout 560 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --batch 8 \
     --max_compiles 3 --time_budget_s 520 "${sets[@]}" \
     --json "$OUT/e2e_llama2_7b_${tag}_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+  ;;
+10)
+  for mw in bf16+16 bf16+8; do
+    echo "== Llama-2-7B, batch 1, update in the backward pass, master weights $mw (6 steps)"
+    rm -rf /tmp/p10
+    timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
+      --config.optimizer.update_in_backward=True --config.optimizer.master_weights=$mw \
+      --config.grad_dtype=bfloat16 --config.steps=6 --config.optimizer.warmup_steps=2 \
+      --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+      --config.workdir=/tmp/p10 2>&1 | tee "$OUT/train_llama2_7b_b1_inbwd_${mw/+/_}_h200_$DAY.txt" \
+      | grep -E "peak|tokens_per_s|Error" | tail -3
+    cp /tmp/p10/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_${mw/+/_}_h200_$DAY.jsonl" 2>/dev/null
+  done
+  echo "== the planner's largest batch, update in the backward pass, BF16 + 8-bit"
+  timeout 150 $PY train.py --config configs/llama2_7b.py --config.batch_size=-1 --dry_run \
+    --config.optimizer.update_in_backward=True --config.optimizer.master_weights=bf16+8 \
+    --config.grad_dtype=bfloat16 --config.workdir=/tmp/p10_plan 2>&1 \
+    | tee "$OUT/plan_llama2_7b_inbwd_h200_$DAY.txt" | tail -12
   ;;
 9)
   run_114m() {  # tag, overrides...

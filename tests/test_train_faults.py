@@ -74,14 +74,17 @@ def tiny_run(**overrides):
     return assemble(config)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
 @pytest.mark.parametrize(
     "kernels", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 )
-def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels):
+def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels, in_backward):
     """The train step with one NaN weight: loss NaN, skipped, params and optimizer state (FP8
     codes, scales, count) returned bit-identical; the next finite step updates as usual. With
-    the fused update's kernel compiled (GPU), interpreted, and the XLA chain."""
-    run = tiny_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024})  # FP8 moments
+    the fused update's kernel compiled (GPU), interpreted, and the XLA chain; with the update
+    after the backward pass (under ``lax.cond``) and in it (a select per array)."""
+    run = tiny_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024,  # FP8 moments
+                      "optimizer.update_in_backward": in_backward})  # fmt: skip
     assert run.fused_update == (kernels != "reference")
     params, opt_state = run.create()
     tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, 256)

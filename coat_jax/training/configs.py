@@ -110,6 +110,11 @@ def base_config() -> ml_collections.ConfigDict:
             # bf16+ options keep BF16 parameters and a 16-bit (exact) or 8-bit (lossy)
             # remainder of the fp32 weight in the optimizer state; they need grad_dtype=bfloat16
             master_weights="fp32",
+            # True: clip by the previous step's gradient norm, so that each parameter's update
+            # needs only its own gradient and runs during the backward pass; the step never
+            # holds all gradients (7B: 13.5 GB less). Non-finite steps are then told by the
+            # loss alone; one micro-batch a step (coat_jax.training.step.make_train_step)
+            update_in_backward=False,
             # auto | pallas | reference | interpret: the fused Pallas optimizer kernels
             # (pallas_kernels.dispatch; auto = on a Hopper GPU where measured faster)
             kernels="auto",
@@ -168,7 +173,7 @@ def base_config() -> ml_collections.ConfigDict:
 # with another value. Prefixes end in a dot.
 STATE_KEYS = ("model.", "optimizer.name", "optimizer.mu_format", "optimizer.nu_format",
               "optimizer.expansion", "optimizer.group_size", "optimizer.min_size",
-              "optimizer.master_weights")  # fmt: skip
+              "optimizer.master_weights", "optimizer.update_in_backward")  # fmt: skip
 # Keys that steer a run but not what it computes: never reported on resume.
 RUN_CONTROL_KEYS = ("resume", "resume_step", "workdir", "progress", "log_interval", "eval_interval",
                     "eval_batches", "checkpoint_interval", "keep_checkpoints", "compile_cache_dir",
@@ -193,7 +198,9 @@ def resume_changes(saved: dict, c: ml_collections.ConfigDict) -> tuple[list[str]
     the keys that change the saved state's shapes (:data:`STATE_KEYS`; the model, the
     optimizer's state layout, ``optimizer.grad_clip`` turned on or off), which no checkpoint
     can resume into; ``changed`` the rest, except :data:`RUN_CONTROL_KEYS`."""
-    old, new = _flat(saved), _flat(json.loads(c.to_json()))
+    # a key the saved run did not have yet ran as its default
+    old = _flat(base_config().to_dict()) | _flat(saved)
+    new = _flat(json.loads(c.to_json()))
     refused, changed = [], []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
@@ -359,6 +366,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config.optimizer.{key} must be in [0, 1), got {o[key]}")
     if o.grad_clip < 0 or o.weight_decay < 0:
         raise ValueError("config.optimizer.grad_clip and weight_decay must be >= 0")
+    if o.update_in_backward and c.grad_accum != 1:
+        raise ValueError(
+            f"config.optimizer.update_in_backward=True updates during one micro-batch's "
+            f"backward pass; it needs config.grad_accum=1, got {c.grad_accum}"
+        )
     for key in ("mu_format", "nu_format"):
         if o[key] is not None:
             try:

@@ -1,8 +1,9 @@
 """The optimizer a training config asks for, and its fused update.
 
 :func:`make_optimizer` builds from ``config.optimizer`` the optax chain (global-norm clipping,
-then ``optax.adamw`` or ``coat_jax.fp8_adamw``, warmup + cosine learning rate) and records the
-hyperparameters it used (:class:`OptimizerSetup`). :func:`make_fused_update` builds, from the
+by this step's norm or, with ``update_in_backward``, the previous step's; then ``optax.adamw``
+or ``coat_jax.fp8_adamw``, warmup + cosine learning rate) and records the hyperparameters it
+used (:class:`OptimizerSetup`). :func:`make_fused_update` builds, from the
 same record, the trainer's one-pass FP8 AdamW update (``coat_jax.ops.fused_update``) where the
 kernel runs: the chain and the fused update cannot disagree on a hyperparameter, and the state
 keeps the chain's structure, so checkpoints do not depend on which path ran.
@@ -15,11 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from coat_jax.core.adam import ScaleByFp8AdamState
-from coat_jax.ops import fused_update, optim
+from coat_jax.ops import clipping, fused_update, optim
 from coat_jax.ops.master_weights import master_weights
 from coat_jax.training.configs import MASTER_WEIGHTS
 from pallas_kernels import dispatch
@@ -44,10 +44,9 @@ def _matrices(params):
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def global_norm_fp32(tree) -> jax.Array:
-    """``optax.global_norm`` with every leaf read as fp32 (a bf16 gradient's squares summed in
-    fp32; XLA fuses the casts into the reduction, nothing is copied)."""
-    return optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
+global_norm_fp32 = clipping.norm_fp32
+"""``optax.global_norm`` with every leaf read as fp32 (a bf16 gradient's squares summed in fp32;
+XLA fuses the casts into the reduction, nothing is copied)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +64,9 @@ class OptimizerSetup:
         ``weight_decay``, ``mask``).
       grad_clip: global-norm clipping threshold (0: none).
       kernels: the ``kernels=`` option of the FP8 optimizer (``pallas_kernels.dispatch``).
+      update_in_backward: clipping by the previous step's norm
+        (:func:`coat_jax.ops.clipping.clip_by_previous_global_norm`), so that each update
+        needs only its own gradient (``config.optimizer.update_in_backward``).
     """
 
     tx: optax.GradientTransformation
@@ -75,6 +77,7 @@ class OptimizerSetup:
     adamw: dict[str, Any]
     grad_clip: float
     kernels: str
+    update_in_backward: bool = False
 
 
 def make_optimizer(o, steps: int) -> OptimizerSetup:
@@ -103,12 +106,14 @@ def make_optimizer(o, steps: int) -> OptimizerSetup:
             min_size=o.min_size,
             kernels=o.kernels,
         )
+    in_backward = bool(o.get("update_in_backward", False))
     if o.grad_clip > 0:
-        tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
+        clip = clipping.clip_by_previous_global_norm if in_backward else optax.clip_by_global_norm
+        tx = optax.chain(clip(o.grad_clip), tx)
     bits = MASTER_WEIGHTS[o.get("master_weights", "fp32")]
     wrapped = tx if bits is None else master_weights(tx, bits)
     return OptimizerSetup(wrapped, tx, bits, schedule, o.name, adamw, float(o.grad_clip),
-                          o.kernels)  # fmt: skip
+                          o.kernels, in_backward)  # fmt: skip
 
 
 def _counted(s) -> bool:
@@ -127,7 +132,9 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     ``pallas_kernels.dispatch``); under a multi-device placement on every device's shard.
     Every ``count`` in the chain's state advances as the chain would. The clip scale is
     ``max_norm / ||g||`` above the threshold, the factor ``clip_by_global_norm`` applies (the
-    products round differently: equal to fp32 rounding, not bitwise).
+    products round differently: equal to fp32 rounding, not bitwise); with
+    ``update_in_backward`` the previous step's norm from the chain's state, which the update
+    advances to this step's.
     """
     if setup.name != "fp8_adamw" or dispatch.resolve(setup.kernels, "adam_update") == "reference":
         return None
@@ -136,13 +143,16 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
         specs = jax.tree.map(lambda s: s.spec, placement.params)
     kernels = "interpret" if setup.kernels == "interpret" else "pallas"
     is_adam = lambda s: isinstance(s, ScaleByFp8AdamState)
+    is_previous = lambda s: isinstance(s, clipping.ClipByPreviousNormState)
+    is_state = lambda s: _counted(s) or is_previous(s)
 
     def update(params, grads, opt_state, remainder=None):
         (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=_counted) if is_adam(s)]
         clip = 1.0
         if setup.grad_clip > 0:
-            norm = global_norm_fp32(grads)
-            clip = jnp.where(norm < setup.grad_clip, 1.0, setup.grad_clip / norm)
+            previous = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_previous(s)]
+            norm = previous[0].norm if previous else global_norm_fp32(grads)
+            clip = clipping.clip_scale(norm, setup.grad_clip)
         # BF16 master weights: the parts kernel follows the config's own option ("auto": where
         # measured faster, else fp32 rebuilt around the kernel above)
         out = fused_update.fp8_adamw_update(
@@ -152,11 +162,13 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
         )  # fmt: skip
         *params, new_adam = out
 
-        def advance(s):  # Adam's state, and every other count (the schedule's) with it
+        def advance(s):  # Adam's state, every other count (the schedule's) with it, the norm
             if is_adam(s):
                 return new_adam
+            if is_previous(s):
+                return clipping.ClipByPreviousNormState(global_norm_fp32(grads))
             return s._replace(count=new_adam.count) if _counted(s) else s
 
-        return (*params, jax.tree.map(advance, opt_state, is_leaf=_counted))
+        return (*params, jax.tree.map(advance, opt_state, is_leaf=is_state))
 
     return update

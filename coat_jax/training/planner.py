@@ -112,10 +112,14 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
         "compiled_temp": int(analysis.temp_size_in_bytes),
     }
     plan["compiled_total"] = analysis_total(analysis)
-    # Whole-model bytes per parameter that live through the run: weights, gradients, state.
+    # Whole-model bytes per parameter that live through the run: weights, gradients (not with
+    # the update in the backward pass, which consumes each as it is made), state.
     n_params = sum(x.size for x in jax.tree.leaves(run.params))
-    persistent = _bytes(run.params) + _bytes(run.params, itemsize=grad_itemsize) + _bytes(opt_state)
+    in_backward = run.optimizer.update_in_backward
+    all_grads = 0 if in_backward else _bytes(run.params, itemsize=grad_itemsize)
+    persistent = _bytes(run.params) + all_grads + _bytes(opt_state)
     plan["persistent_bytes_per_param"] = persistent / max(n_params, 1)
+    plan["update_in_backward"] = in_backward
     # Working set of one layer's backward, fp32: the attention scores, probabilities and their
     # gradient where attention is not a fused flash kernel, and the MLP's gate/up/hidden.
     plan["workspace_estimate"] = layer_workspace(run.model, -(-micro // split), tokens - 1)
@@ -123,8 +127,12 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
     # gradients, so one micro-batch peaks at max(activations + logits and their gradient,
     # gradients), plus one layer's working set; with grad_accum > 1 the fp32 accumulator
     # lives through the whole step on top.
+    # The update in the backward pass holds about one gradient at a time (the largest leaf's).
     accumulator = grad_bytes if accum > 1 else 0
     backward = max(activations + 2 * logits, grad_bytes)
+    if in_backward:
+        largest = max((x.size for x in jax.tree.leaves(run.params)), default=0)
+        backward = activations + 2 * logits + grad_bytes * largest // max(n_params, 1)
     plan["temp_estimate"] = accumulator + backward + plan["workspace_estimate"]
     plan["analytic_total"] = param_bytes + plan["optimizer_state"] + plan["temp_estimate"]
     plan["device_limit"] = device_limit(run)

@@ -139,7 +139,7 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     train_step = step.make_train_step(
         graph, optimizer.chain, placement, fused_update=fused,
         compiler_options=model.policy().compiler_options(), grad_dtype=grad_dtype,
-        master_bits=optimizer.master_bits,
+        master_bits=optimizer.master_bits, update_in_backward=optimizer.update_in_backward,
     )  # fmt: skip
     eval_step = step.make_eval_step(graph, placement)
     return Run(config, model, tokenizer, graph, params, optimizer, placement, train_step,

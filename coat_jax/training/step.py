@@ -50,7 +50,7 @@ def global_batch(sampler, index: int, split: str, shape, target):
 
 def make_train_step(
     graph, optimizer, placement=None, fused_update=None, compiler_options=None,
-    grad_dtype=jnp.float32, skip_nonfinite=True, master_bits=None,
+    grad_dtype=jnp.float32, skip_nonfinite=True, master_bits=None, update_in_backward=False,
 ):  # fmt: skip
     """``step(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm, skipped})``,
     jitted with
@@ -81,6 +81,16 @@ def make_train_step(
     ``opt_state`` unchanged (the update runs under ``lax.cond``; no step count advances) and
     ``skipped = True``, so no non-finite value ever reaches the state (``optax.apply_if_finite``
     for the whole step, at the cost of two scalar tests).
+
+    ``update_in_backward``: the backward pass and the update form one computation in which each
+    parameter's update needs only its own gradient (``optimizer``'s clipping must be
+    :func:`~coat_jax.ops.clipping.clip_by_previous_global_norm`), so XLA applies it as soon as
+    that gradient exists and the step never holds all gradients at once. The non-finite test
+    then reads the loss alone and keeps each array's old value by a select (no ``lax.cond``
+    around the backward pass: on XLA's CPU backend the FP8 backward computed inside one came
+    out different from the same backward outside it); a finite loss whose gradients are not
+    finite updates the parameters as ``optax.adamw`` would (the next steps' losses are then
+    non-finite and skipped, and no checkpoint keeps such a state). One micro-batch a step.
     """
     if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"grad_dtype must be float32 or bfloat16, got {jnp.dtype(grad_dtype)}")
@@ -88,6 +98,38 @@ def make_train_step(
 
     def micro_loss(params, tokens):
         return _batch_loss(graph, params, tokens)
+
+    def apply(state, grads):
+        """``state`` ``(params, opt_state)`` after the optimizer step on ``grads``."""
+
+        def fp32_update(params, opt_state):
+            if fused_update is not None:
+                return fused_update(params, grads, opt_state)
+            g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            updates, opt_state = optimizer.update(g32, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        if master_bits is None:
+            return fp32_update(*state)
+        if fused_update is not None:  # the kernel reads and writes the parts
+            params, opt_state = state
+            params, remainder, inner = fused_update(params, grads, opt_state.inner,
+                                                    opt_state.remainder)  # fmt: skip
+            return params, master_weights.MasterWeightsState(remainder, inner)
+        return master_weights.apply_exactly(*state, master_bits, fp32_update)
+
+    def step_in_backward(params, opt_state, batch):
+        wrt = jax.tree.map(_bf16_view, params) if low else params
+        if jax.tree.leaves(batch)[0].shape[0] != 1:
+            raise ValueError("update_in_backward runs one micro-batch a step (grad_accum=1)")
+        tokens = jax.tree.map(lambda x: x[0], batch)
+        loss, grads = jax.value_and_grad(micro_loss)(wrt, tokens)
+        finite = jnp.isfinite(loss)
+        state = apply((params, opt_state), grads)
+        if skip_nonfinite:  # per array, so that no update waits for another's gradient
+            keep = lambda new, old: jnp.where(finite, new, old)
+            state = jax.tree.map(keep, state, (params, opt_state))
+        return *state, {"loss": loss, "grad_norm": global_norm_fp32(grads), "skipped": ~finite}
 
     def step(params, opt_state, batch):
         wrt = jax.tree.map(_bf16_view, params) if low else params
@@ -105,24 +147,7 @@ def make_train_step(
             grads, losses = jax.lax.scan(accumulate, zeros, batch)
             grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
         loss, grad_norm = losses.mean(), global_norm_fp32(grads)
-
-        def fp32_update(params, opt_state):
-            if fused_update is not None:
-                return fused_update(params, grads, opt_state)
-            g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            updates, opt_state = optimizer.update(g32, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def update(state):
-            if master_bits is None:
-                return fp32_update(*state)
-            if fused_update is not None:  # the kernel reads and writes the parts
-                params, opt_state = state
-                params, remainder, inner = fused_update(params, grads, opt_state.inner,
-                                                        opt_state.remainder)  # fmt: skip
-                return params, master_weights.MasterWeightsState(remainder, inner)
-            return master_weights.apply_exactly(*state, master_bits, fp32_update)
-
+        update = lambda state: apply(state, grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip_nonfinite:
             params, opt_state = jax.lax.cond(finite, update, lambda s: s, (params, opt_state))
@@ -130,6 +155,7 @@ def make_train_step(
             params, opt_state = update((params, opt_state))
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite}
 
+    step = step_in_backward if update_in_backward else step
     if placement is None:
         return jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options)
     p, s = placement.params, placement.opt_state
