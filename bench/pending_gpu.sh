@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements that code landed on 2026-12-01 without a GPU waits for, on one
-# H200, in two calls of at most ~9.5 minutes each (device limit: 10 minutes a command):
+# The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
+# PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
+#
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=10 (~6 min,
+# issue 18's 7B peak with the update in the backward pass), PART=8 (~4 min: the 3-warpgroup
+# GEMM's time, the parts kernel's compiled tests), PART=9 (~6 min: 114M throughput),
+# SEEDS=1 RUNS="coat+fp8_adamw;coat+fp8_adamw, bf16 gradients, bf16+8 master" PART=6 (~5 min),
+# then PART=7 RECIPE=fine and RECIPE=default (~9 min each) when a session has room.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -29,8 +35,9 @@
 #                                      in one call left no time for the largest-batch search,
 #                                      a 7B compile takes 72-76 s)
 #   PART=9 bash bench/pending_gpu.sh   114M throughput: train.py's tokens/s (COAT fp32 master;
-#                                      bf16+8 rebuilt around the kernel; bf16+8 on the parts
-#                                      kernel) beside the step alone (bench/profile_step.py):
+#                                      the same with the update in the backward pass, no
+#                                      lax.cond; bf16+8 rebuilt around the kernel; bf16+8 on
+#                                      the parts kernel) beside the step alone (profile_step):
 #                                      the 12-02 fidelity call saw 273k and 190k against 367k
 #                                      on 11-30
 #   PART=8 bash bench/pending_gpu.sh   issue 20: the block-scaled GEMM's compiled tests (every
@@ -164,6 +171,9 @@ case "${PART:-1}" in
     cp "/tmp/p9_$tag/metrics.jsonl" "$OUT/throughput_114m_${tag}_h200_$DAY.jsonl" 2>/dev/null
   }
   run_114m coat_fp32_master --config.grad_dtype=float32
+  # no lax.cond in this step (its non-finite guard is a select per array): if it is faster,
+  # the guard's cond costs at 114M (e.g. by splitting XLA's command buffer)
+  run_114m coat_in_backward --config.grad_dtype=float32 --config.optimizer.update_in_backward=True
   run_114m coat_bf16_8 --config.grad_dtype=bfloat16 --config.optimizer.master_weights=bf16+8
   run_114m coat_bf16_8_parts --config.grad_dtype=bfloat16 \
     --config.optimizer.master_weights=bf16+8 --config.optimizer.kernels=pallas
