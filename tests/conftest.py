@@ -1,21 +1,10 @@
-"""Shared pytest setup: hypothesis profiles, the `gpu` marker, slow tests first, GPU memory
-shared between parallel workers (`pytest -n`), and one XLA compilation cache for the session."""
+"""Shared pytest setup: hypothesis profiles, the `gpu` marker, slow tests first, and GPU
+memory shared between parallel workers (`pytest -n`)."""
 
-import atexit
 import os
-import shutil
-import tempfile
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before JAX starts: workers share each GPU
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-elif "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    # Many tests compile the same programs (llama_tiny's step, train.py in subprocesses): one
-    # persistent cache for this session, which the xdist workers and every subprocess inherit
-    # through the environment, removed at exit. Compiles over 0.5 s only.
-    _cache = tempfile.mkdtemp(prefix="coat_jax_test_xla_cache_")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
