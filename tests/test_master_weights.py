@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import tiny_run
 
 import coat_jax
 from coat_jax.core import master
@@ -92,16 +94,9 @@ def test_as_an_optax_optimizer_it_tracks_fp32_master_weights():
 
 
 def train(overrides, steps):
-    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
-    configs.validate(config)
-    run = assemble(config)
-    params, opt_state = run.create()
-    losses = []
-    for i in range(steps):
-        tokens = jax.random.randint(jax.random.key(100 + i), run.batch_shape(), 0, 256)
-        params, opt_state, metrics = run.train_step(params, opt_state, tokens)
-        losses.append(metrics["loss"])
-    return (run, np.asarray(losses)), params, opt_state
+    run = tiny_run(**overrides)
+    params, opt_state, metrics = tiny.train(run, steps)
+    return (run, np.asarray([m["loss"] for m in metrics])), params, opt_state
 
 
 @pytest.mark.parametrize("optimizer,steps", [("fp8_adamw", 100), ("adamw", 30)])

@@ -1,19 +1,9 @@
 """coat_jax.training.planner: the memory plan against XLA's, and the largest-batch search."""
 
-import pathlib
-
 import pytest
+from tiny import tiny_run
 
-from coat_jax.training import configs, planner
-from coat_jax.training.run import assemble
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def tiny_run(**overrides):
-    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
-    configs.validate(config)
-    return assemble(config)
+from coat_jax.training import planner
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_linear", "coat"])

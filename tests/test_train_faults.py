@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from tiny import tiny_run
 
-from coat_jax.training import configs, data
+from coat_jax.training import data
 from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, StateLayoutError
-from coat_jax.training.run import assemble
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/llama_tiny.py")]
@@ -68,10 +68,8 @@ def finite(leaves):
 # --- non-finite steps ---
 
 
-def tiny_run(**overrides):
-    config = configs.load_file(str(ROOT / "configs/llama_tiny.py"), overrides)
-    config.batch_size, config.seq_len = 4, 32
-    return assemble(config)
+def small_run(**overrides):
+    return tiny_run(batch_size=4, seq_len=32, **overrides)
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
@@ -83,7 +81,7 @@ def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels, in_backward
     codes, scales, count) returned bit-identical; the next finite step updates as usual. With
     the fused update's kernel compiled (GPU), interpreted, and the XLA chain; with the update
     after the backward pass (under ``lax.cond``) and in it (a select per array)."""
-    run = tiny_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024,  # FP8 moments
+    run = small_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024,  # FP8 moments
                       "optimizer.update_in_backward": in_backward})  # fmt: skip
     assert run.fused_update == (kernels != "reference")
     params, opt_state = run.create()

@@ -1,18 +1,15 @@
 """The update in the backward pass (``config.optimizer.update_in_backward``): clipping by the
 previous step's norm, the same training where nothing is clipped, no step-wide gradient buffer."""
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
+from tiny import ROOT, tiny_run
 
 from coat_jax.ops.clipping import ClipByPreviousNormState, clip_by_previous_global_norm
 from coat_jax.training import configs, planner
-from coat_jax.training.run import assemble
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_clipping_by_the_previous_norm():
@@ -44,22 +41,13 @@ def test_clipping_by_the_previous_norm():
         clip_by_previous_global_norm(0.0)
 
 
-def tiny(overrides):
-    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), overrides)
-    config.batch_size, config.seq_len = 4, 32
-    configs.validate(config)
-    return assemble(config)
+def small(overrides):
+    return tiny_run(**{"batch_size": 4, "seq_len": 32, **overrides})
 
 
 def train(overrides, steps):
-    run = tiny(overrides)
-    params, opt_state = run.create()
-    norms = []
-    for i in range(steps):
-        tokens = jax.random.randint(jax.random.key(100 + i), run.batch_shape(), 0, 256)
-        params, opt_state, metrics = run.train_step(params, opt_state, tokens)
-        norms.append(float(metrics["grad_norm"]))
-    return params, opt_state, np.asarray(norms)
+    params, opt_state, metrics = tiny.train(small(overrides), steps)
+    return params, opt_state, np.asarray([float(m["grad_norm"]) for m in metrics])
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -103,18 +91,18 @@ def test_the_fused_update_clips_by_the_previous_norm_like_the_chain():
 
 
 def test_the_step_holds_no_buffer_of_all_gradients():
-    """XLA's memory analysis of the compiled step (a 4-layer, 256-wide llama, batch 1 x 32:
+    """XLA's memory analysis of the compiled step (a 4-layer, 256-wide llama, batch 4 x 32:
     gradients outweigh activations): the update in the backward pass needs less temporary
     memory by at least half the gradients' bytes, and the planner counts no gradients among
     the persistent bytes."""
     shape = {"model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 4,
-             "model.ffn_dim": 768, "batch_size": 1}  # fmt: skip
-    plans = [planner.memory_plan(tiny({**shape, "optimizer.update_in_backward": flag}))
+             "model.ffn_dim": 768}  # fmt: skip
+    plans = [planner.memory_plan(small({**shape, "optimizer.update_in_backward": flag}))
              for flag in (False, True)]  # fmt: skip
     after, during = plans
     assert during["compiled_temp"] <= after["compiled_temp"] - after["grads"] // 2, plans
     assert during["update_in_backward"] and not after["update_in_backward"]
-    grad_per_param = after["grads"] / sum(x.size for x in jax.tree.leaves(tiny(shape).params))
+    grad_per_param = after["grads"] / sum(x.size for x in jax.tree.leaves(small(shape).params))
     assert during["persistent_bytes_per_param"] == pytest.approx(
         after["persistent_bytes_per_param"] - grad_per_param
     )
@@ -139,4 +127,3 @@ def test_a_checkpoint_from_before_the_option_resumes_with_its_default():
     config.optimizer.update_in_backward = True
     refused, _ = configs.resume_changes(saved, config)
     assert refused and "update_in_backward" in refused[0]
-
