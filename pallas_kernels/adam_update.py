@@ -27,7 +27,9 @@ updates it as above and writes both parts back (:math:`\theta'` never leaves the
 :mod:`pallas_kernels.adam_step`); :func:`leaf_reference` its jnp twin, op for op as the chain
 computes. The whole-tree update, its dispatch between the two and its per-shard runs under a
 mesh are ``coat_jax.ops.fused_update``. Both take the step's scalars as one fp32 vector
-(:func:`update_vector`).
+(:func:`update_vector`). A step marked skipped (its ``skip``, a traced flag such as "the loss
+is not finite") writes every input back unchanged, so that a trainer can guard the update
+without keeping a copy of the old state.
 """
 
 from __future__ import annotations
@@ -49,27 +51,36 @@ __all__ = [
     "leaf_kernel",
     "leaf_reference",
     "leaf_reference_parts",
+    "unless",
     "update_vector",
 ]
 
 _TUNING = AdamStepTuning()
 N_HYPER = 16
 """Length of the step's fp32 vector: the 8 Adam coefficients, -lr, weight decay, clip scale,
-zero padding."""
+the skip flag, zero padding."""
 
 
-def update_vector(coeffs: AdamCoefficients, learning_rate, weight_decay, clip_scale) -> jax.Array:
+def update_vector(coeffs: AdamCoefficients, learning_rate, weight_decay, clip_scale,
+                  skip=False) -> jax.Array:  # fmt: skip
     """The fp32 vector of one step's scalars that :func:`leaf_kernel` and
     :func:`leaf_reference` read: ``coeffs``, ``-learning_rate``, ``weight_decay``,
-    ``clip_scale``, then zeros up to :data:`N_HYPER`."""
+    ``clip_scale``, ``skip`` (a bool, traced or not: 1 writes every input back unchanged),
+    then zeros up to :data:`N_HYPER`."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    rest = [-1 * f32(learning_rate), f32(weight_decay), f32(clip_scale)]
-    return jnp.concatenate([coeffs.vector(), jnp.stack(rest), jnp.zeros(N_HYPER - 11, jnp.float32)])
+    rest = [-1 * f32(learning_rate), f32(weight_decay), f32(clip_scale), f32(skip)]
+    return jnp.concatenate([coeffs.vector(), jnp.stack(rest), jnp.zeros(N_HYPER - 12, jnp.float32)])
 
 
 def _read_vector(h):
-    """``(coefficients, -lr, weight decay, clip scale)`` from :func:`update_vector`'s layout."""
-    return AdamCoefficients.from_values(h[i] for i in range(8)), h[8], h[9], h[10]
+    """``(coefficients, -lr, weight decay, clip scale, skip)`` from :func:`update_vector`'s
+    layout; ``skip`` a bool."""
+    return AdamCoefficients.from_values(h[i] for i in range(8)), h[8], h[9], h[10], h[11] != 0
+
+
+def unless(skip, old, new):
+    """``new``, or ``old`` where the step is skipped: leaf by leaf (``None`` stays ``None``)."""
+    return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
 
 
 def _step(p, u, neg_lr, wd, decay: bool, grad_dtype):
@@ -87,11 +98,11 @@ def leaf_reference(p, g, mu, nu, hyper, decay: bool):
     ``mu`` / ``nu`` are QuantizedArrays or fp32 arrays (small parameters); ``hyper`` is
     :func:`update_vector`'s. Returns ``(new_p, new_mu, new_nu)``.
     """
-    coeffs, neg_lr, wd, clip = _read_vector(hyper)
+    coeffs, neg_lr, wd, clip, skip = _read_vector(hyper)
     u, new_mu, new_nu = adam.stored_step(g.astype(jnp.float32) * clip, mu, nu, coeffs)
     u = u.astype(g.dtype).astype(jnp.float32)
-    new_p = _step(p, u, neg_lr, wd, decay, g.dtype)
-    return new_p.astype(p.dtype), new_mu, new_nu
+    new_p = _step(p, u, neg_lr, wd, decay, g.dtype).astype(p.dtype)
+    return unless(skip, (p, mu, nu), (new_p, new_mu, new_nu))
 
 
 def leaf_reference_parts(hi, remainder, g, mu, nu, hyper, decay: bool):
@@ -99,7 +110,8 @@ def leaf_reference_parts(hi, remainder, g, mu, nu, hyper, decay: bool):
     ``remainder`` (:mod:`coat_jax.core.master`); returns ``(new_hi, new_remainder, new_mu,
     new_nu)``, the remainder with as many bits as it came with."""
     new_p, new_mu, new_nu = leaf_reference(master.join(hi, remainder), g, mu, nu, hyper, decay)
-    return (*master.split(new_p, master.remainder_bits(remainder.dtype)), new_mu, new_nu)
+    parts = master.split(new_p, master.remainder_bits(remainder.dtype))
+    return (*unless(_read_vector(hyper)[-1], (hi, remainder), parts), new_mu, new_nu)
 
 
 def kernel_takes(p, g, mu, nu, tuning: AdamStepTuning = _TUNING, remainder=None) -> bool:
@@ -156,19 +168,20 @@ def _call(*arrays, static):
     def kernel(*refs):
         w_refs, (g_ref, h_ref), ins = refs[:k], refs[k : k + 2], refs[k + 2 : k + 2 + n_mom]
         outs = refs[k + 2 + n_mom :]
-        coeffs, neg_lr, wd, clip = _read_vector([h_ref[0, i] for i in range(11)])
+        coeffs, neg_lr, wd, clip, skip = _read_vector([h_ref[0, i] for i in range(12)])
         m_state, v_state = adam_step.read_moments(ins, expanded)
         u, new_m, new_v = adam_step.moment_update(
             g_ref[...].astype(jnp.float32) * clip, m_state, v_state, coeffs,
             mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, log=log,
         )  # fmt: skip
         u = u.astype(g.dtype).astype(jnp.float32)  # the chain's u has the gradient's dtype
-        p = w_refs[0][...] if bits is None else master.join(w_refs[0][...], w_refs[1][...])
-        new_p = _step(p, u, neg_lr, wd, decay, g.dtype)
-        if bits is None:
-            outs[0][...] = new_p
-        else:  # the new weight leaves the chip as its two parts only
-            outs[0][...], outs[1][...] = master.split(new_p, bits)
+        w = tuple(r[...] for r in w_refs)
+        new_p = _step(w[0] if bits is None else master.join(*w), u, neg_lr, wd, decay, g.dtype)
+        # the new weight leaves the chip as its two parts only (BF16 master weights)
+        new_w = (new_p,) if bits is None else master.split(new_p, bits)
+        for ref, value in zip(outs[:k], unless(skip, w, new_w), strict=True):
+            ref[...] = value
+        new_m, new_v = unless(skip, (m_state, v_state), (new_m, new_v))
         adam_step.write_moments(outs[k:], new_m, new_v, expanded)
 
     tile = pl.BlockSpec((br, group), lambda i: (i, 0))

@@ -156,6 +156,39 @@ def test_non_finite_gradients_like_the_chain():
         )
 
 
+@pytest.mark.parametrize("bits", [None, 16, 8], ids=["fp32", "bf16+16", "bf16+8"])
+@pytest.mark.parametrize("kernels", ["reference", *KERNEL_MODES])
+def test_a_skipped_step_returns_its_inputs_bit_for_bit(kernels, bits):
+    """``skip`` traced true: weights (or their BF16 parts and remainders), FP8 moments, scales
+    and count come back bit-identical although the gradients hold NaN and Inf; traced false:
+    the same step as without the flag (to fp32 rounding). Every path: the kernel on fp32
+    weights or on the parts, the XLA reference, fp32 rebuilt around either."""
+    params, grads, state, _ = fresh(jnp.float32)
+    grads["w"] = grads["w"].at[3, 200].set(jnp.nan).at[7, 5].set(jnp.inf)
+    weights = {"params": params}
+    if bits is not None:
+        parts = {k: master.split(p, bits) for k, p in params.items()}
+        weights = {"params": {k: hi for k, (hi, _) in parts.items()},
+                   "remainder": {k: r for k, (_, r) in parts.items()}}  # fmt: skip
+    step = jax.jit(lambda w, g, s, skip=False: fused_update.fp8_adamw_update(
+        w["params"], g, s, LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=MASK,
+        kernels=kernels, remainder=w.get("remainder"), skip=skip))  # fmt: skip
+    raw = lambda tree: [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+    kept = step(weights, grads, state, jnp.bool_(True))
+    for got, want in zip(raw(kept), raw((*weights.values(), state)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    # traced false: the step itself, to fp32 rounding (the select may change how XLA fuses the
+    # update on a GPU, and with it an FMA: the 16-bit remainder shows every last bit)
+    taken, plain = step(weights, grads, state, jnp.bool_(False)), step(weights, grads, state)
+    weight = lambda out: {k: np.asarray(out[0][k] if bits is None else master.join(out[0][k],
+                                        out[1][k])) for k in SHAPES}  # fmt: skip
+    for k in SHAPES:
+        np.testing.assert_allclose(weight(taken)[k], weight(plain)[k], rtol=1e-6,
+                                   atol=1e-6 * LR, err_msg=k)  # fmt: skip
+    assert_states_close(taken[-1], plain[-1], exact=False)
+    assert int(taken[-1].count) == int(state.count) + 1
+
+
 def test_mask_must_be_static_and_wrapper_is_exported():
     params, grads, state, _ = fresh(jnp.float32, steps=0)
     with pytest.raises(TypeError, match="Python bools"):

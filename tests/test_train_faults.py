@@ -72,17 +72,21 @@ def small_run(**overrides):
     return tiny_run(batch_size=4, seq_len=32, **overrides)
 
 
-@pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
+@pytest.mark.parametrize("in_backward, master", [(False, "fp32"), (True, "fp32"),
+                                                 (True, "bf16+8")],
+                         ids=["after_backward", "in_backward", "in_backward_bf16+8"])  # fmt: skip
 @pytest.mark.parametrize(
     "kernels", ["reference", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 )
-def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels, in_backward):
+def test_a_nonfinite_step_leaves_params_and_state_unchanged(kernels, in_backward, master):
     """The train step with one NaN weight: loss NaN, skipped, params and optimizer state (FP8
-    codes, scales, count) returned bit-identical; the next finite step updates as usual. With
-    the fused update's kernel compiled (GPU), interpreted, and the XLA chain; with the update
-    after the backward pass (under ``lax.cond``) and in it (a select per array)."""
+    codes, scales, count; BF16 master weights' remainders) returned bit-identical; the next
+    finite step updates as usual. With the fused update's kernel compiled (GPU), interpreted,
+    and the XLA chain; with the update after the backward pass (under ``lax.cond``) and in it
+    (the kernel's skip flag; the XLA chain: a select per array)."""
     run = small_run(**{"optimizer.kernels": kernels, "optimizer.min_size": 1024,  # FP8 moments
-                      "optimizer.update_in_backward": in_backward})  # fmt: skip
+                      "optimizer.update_in_backward": in_backward,
+                      "optimizer.master_weights": master})  # fmt: skip
     assert run.fused_update == (kernels != "reference")
     params, opt_state = run.create()
     tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, 256)

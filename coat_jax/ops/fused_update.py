@@ -107,6 +107,7 @@ def fp8_adamw_update(
     tuning: AdamStepTuning = _TUNING,
     specs=None,
     remainder=None,
+    skip=False,
 ):
     """One AdamW step with FP8 moments, fused per leaf (math in the module docstring).
 
@@ -130,6 +131,10 @@ def fp8_adamw_update(
         reads and writes both parts where the ``"adam_update_parts"`` family runs
         (``pallas`` / ``interpret``; ``"auto"``: where measured faster), else each weight is
         rebuilt in fp32 around the fp32 path and split after it.
+      skip: a bool (traced or not); where true, parameters and state come back unchanged,
+        the step count included. The kernel writes its inputs back itself, so a trainer's
+        non-finite guard costs no copy of the parameters and state (a select after the
+        update would need the old arrays kept beside the new).
 
     Returns:
       ``(new_params, new_state)``; with ``remainder``, ``(new_params, new_remainder,
@@ -144,13 +149,17 @@ def fp8_adamw_update(
             return fp8_adamw_update(
                 weights, grads, state, learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                 weight_decay=weight_decay, mask=mask, clip_scale=clip_scale, kernels=kernels,
-                tuning=tuning, specs=specs,
+                tuning=tuning, specs=specs, skip=skip,
             )  # fmt: skip
 
-        parts = master_weights.MasterWeightsState(remainder, state)
-        params, parts = master_weights.apply_exactly(params, parts, bits.pop() if bits else 16,
-                                                     fp32_update)  # fmt: skip
-        return params, parts.remainder, parts.inner
+        old = master_weights.MasterWeightsState(remainder, state)
+        new_params, parts = master_weights.apply_exactly(params, old, bits.pop() if bits else 16,
+                                                         fp32_update)  # fmt: skip
+        # a skipped step rebuilds and splits unchanged weights: keep the parts as they came
+        new_params, new_remainder = adam_update.unless(
+            skip, (params, remainder), (new_params, parts.remainder)
+        )
+        return new_params, new_remainder, parts.inner
     mode = dispatch.resolve(kernels, "adam_update")
     mesh = dispatch.multi_device_mesh()
     sharded = mesh is not None
@@ -165,7 +174,7 @@ def fp8_adamw_update(
     count_inc = optax.safe_increment(state.count)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     coeffs = adam.coefficients(b1, b2, eps, eps_root, count_inc)
-    hyper = adam_update.update_vector(coeffs, lr, weight_decay, clip_scale)
+    hyper = adam_update.update_vector(coeffs, lr, weight_decay, clip_scale, skip)
 
     flat_p, treedef = jax.tree.flatten(params)
     flat_g = treedef.flatten_up_to(grads)
@@ -197,8 +206,9 @@ def fp8_adamw_update(
             out.append(adam_update.leaf_reference(p, g, mu, nu, hyper, decay))
     k = 1 if remainder is None else 2
     new_state = adam.from_moments(
-        state, treedef, count_inc, [o[k] for o in out], [o[k + 1] for o in out]
-    )
+        state, treedef, adam_update.unless(skip, state.count, count_inc), [o[k] for o in out],
+        [o[k + 1] for o in out],
+    )  # fmt: skip
     new_params = treedef.unflatten([o[0] for o in out])
     if remainder is None:
         return new_params, new_state

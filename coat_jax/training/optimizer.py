@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from coat_jax.core.adam import ScaleByFp8AdamState
@@ -134,7 +135,9 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     ``max_norm / ||g||`` above the threshold, the factor ``clip_by_global_norm`` applies (the
     products round differently: equal to fp32 rounding, not bitwise); with
     ``update_in_backward`` the previous step's norm from the chain's state, which the update
-    advances to this step's.
+    advances to this step's. ``update(..., skip=flag)``: where the traced ``flag`` is true,
+    everything comes back unchanged (the kernel writes its inputs back: no copy of the old
+    state is kept for a select).
     """
     if setup.name != "fp8_adamw" or dispatch.resolve(setup.kernels, "adam_update") == "reference":
         return None
@@ -146,7 +149,7 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     is_previous = lambda s: isinstance(s, clipping.ClipByPreviousNormState)
     is_state = lambda s: _counted(s) or is_previous(s)
 
-    def update(params, grads, opt_state, remainder=None):
+    def update(params, grads, opt_state, remainder=None, *, skip=False):
         (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=_counted) if is_adam(s)]
         clip = 1.0
         if setup.grad_clip > 0:
@@ -158,7 +161,7 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
         out = fused_update.fp8_adamw_update(
             params, grads, adam, setup.schedule, **setup.adamw, clip_scale=clip,
             kernels=kernels if remainder is None else setup.kernels, specs=specs,
-            remainder=remainder,
+            remainder=remainder, skip=skip,
         )  # fmt: skip
         *params, new_adam = out
 
@@ -166,7 +169,8 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
             if is_adam(s):
                 return new_adam
             if is_previous(s):
-                return clipping.ClipByPreviousNormState(global_norm_fp32(grads))
+                norm = jnp.where(skip, s.norm, global_norm_fp32(grads))
+                return clipping.ClipByPreviousNormState(norm)
             return s._replace(count=new_adam.count) if _counted(s) else s
 
         return (*params, jax.tree.map(advance, opt_state, is_leaf=is_state))

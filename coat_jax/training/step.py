@@ -88,7 +88,10 @@ def make_train_step(
     that gradient exists and the step never holds all gradients at once. The non-finite test
     then reads the loss alone and keeps each array's old value by a select (no ``lax.cond``
     around the backward pass: on XLA's CPU backend the FP8 backward computed inside one came
-    out different from the same backward outside it); a finite loss whose gradients are not
+    out different from the same backward outside it); the fused update takes the test as
+    its ``skip`` flag instead, so that its kernel still updates in place (a select after it
+    would keep the old parameters and state beside the new);
+    a finite loss whose gradients are not
     finite updates the parameters as ``optax.adamw`` would (the next steps' losses are then
     non-finite and skipped, and no checkpoint keeps such a state). One micro-batch a step.
     """
@@ -99,12 +102,13 @@ def make_train_step(
     def micro_loss(params, tokens):
         return _batch_loss(graph, params, tokens)
 
-    def apply(state, grads):
-        """``state`` ``(params, opt_state)`` after the optimizer step on ``grads``."""
+    def apply(state, grads, skip=False):
+        """``state`` ``(params, opt_state)`` after the optimizer step on ``grads``; ``skip``
+        (traced) only reaches the fused update, which then returns ``state`` unchanged."""
 
         def fp32_update(params, opt_state):
             if fused_update is not None:
-                return fused_update(params, grads, opt_state)
+                return fused_update(params, grads, opt_state, skip=skip)
             g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             updates, opt_state = optimizer.update(g32, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -114,7 +118,7 @@ def make_train_step(
         if fused_update is not None:  # the kernel reads and writes the parts
             params, opt_state = state
             params, remainder, inner = fused_update(params, grads, opt_state.inner,
-                                                    opt_state.remainder)  # fmt: skip
+                                                    opt_state.remainder, skip=skip)  # fmt: skip
             return params, master_weights.MasterWeightsState(remainder, inner)
         return master_weights.apply_exactly(*state, master_bits, fp32_update)
 
@@ -125,8 +129,11 @@ def make_train_step(
         tokens = jax.tree.map(lambda x: x[0], batch)
         loss, grads = jax.value_and_grad(micro_loss)(wrt, tokens)
         finite = jnp.isfinite(loss)
-        state = apply((params, opt_state), grads)
-        if skip_nonfinite:  # per array, so that no update waits for another's gradient
+        if skip_nonfinite and fused_update is not None:  # the kernel keeps what it skips
+            state = apply((params, opt_state), grads, skip=~finite)
+        else:
+            state = apply((params, opt_state), grads)
+        if skip_nonfinite and fused_update is None:  # per array: no update waits for another
             keep = lambda new, old: jnp.where(finite, new, old)
             state = jax.tree.map(keep, state, (params, opt_state))
         return *state, {"loss": loss, "grad_norm": global_norm_fp32(grads), "skipped": ~finite}
