@@ -5,7 +5,8 @@ memory than BF16 at the same batch (4 GPUs, batch 2), twice the largest batch, 1
 tokens/s (``PAPER``). This script measures the same three things on one device (or on N with
 ``--fsdp N``) for ``bf16+adamw`` (baseline), ``fp8_linear+adamw`` (TransformerEngine-like FP8
 GEMMs) and ``coat+fp8_adamw`` (FP8 activations and optimizer states; a policy may end in
-``+bf16_grads``), and the ratios against our targets (``TARGETS``).
+``+bf16_grads``, ``+auto_gemm``: :data:`SUFFIXES`), and the ratios against our targets
+(``TARGETS``).
 
   PYTHONPATH=. python3 bench/e2e.py --time_budget_s 900 \\
       --json bench/results/e2e_llama2_7b_h200_$(date +%F).json
@@ -103,6 +104,8 @@ def parse_args(argv=None):
     parser.add_argument("--cache_dir", default=os.path.join("runs", "xla_cache"),
                         help="persistent compilation cache")  # fmt: skip
     parser.add_argument("--time_budget_s", type=float, help="stop searching after this long")
+    parser.add_argument("--no_search", action="store_true",
+                        help="the fixed --batch only, no largest-batch search")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
@@ -115,17 +118,27 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+SUFFIXES = {
+    "bf16_grads": {"grad_dtype": "bfloat16"},
+    "fp32_grads": {"grad_dtype": "float32"},
+    "auto_gemm": {"fp8.gemm": "auto"},
+    "pallas_gemm": {"fp8.gemm": "pallas"},
+}
+"""Policy suffixes (``coat+fp8_adamw+bf16_grads+auto_gemm``) and the config keys they set."""
+
+
 def bench_config(args, policy: str):
-    """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, optionally
-    ``"+bf16_grads"`` or ``"+fp32_grads"`` (``grad_dtype``, e.g. ``coat+fp8_adamw+bf16_grads``;
-    without it the config's ``auto``: bf16 where the fused update runs)."""
+    """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, then any
+    :data:`SUFFIXES`: ``+bf16_grads`` / ``+fp32_grads`` (``grad_dtype``; without them the
+    config's ``auto``: bf16 where the fused update runs), ``+auto_gemm`` / ``+pallas_gemm``
+    (``fp8.gemm``: the Pallas per-tensor FP8 GEMM where measured faster, or everywhere)."""
     from coat_jax.models.llama import PRESETS
     from coat_jax.training import configs
 
-    precision, _, optimizer = policy.partition("+")
-    optimizer, _, grads = optimizer.partition("+")
-    if grads not in ("", "bf16_grads", "fp32_grads"):
-        raise ValueError(f"policy {policy!r}: the third part may be 'bf16_grads' or 'fp32_grads'")
+    precision, optimizer, *suffixes = policy.split("+")
+    for suffix in suffixes:
+        if suffix not in SUFFIXES:
+            raise ValueError(f"policy {policy!r}: {suffix!r} is not one of {sorted(SUFFIXES)}")
     if args.model in PRESETS:
         config = configs.pretraining_config(args.model)
     elif args.model in MODELS:
@@ -138,8 +151,8 @@ def bench_config(args, policy: str):
     config.mesh.update(data=1, fsdp=args.fsdp, tensor=1)
     if args.device_limit_gb:
         config.memory_limit_gb = args.device_limit_gb
-    if grads:
-        config.grad_dtype = {"bf16_grads": "bfloat16", "fp32_grads": "float32"}[grads]
+    for suffix in suffixes:
+        configs.apply_overrides(config, SUFFIXES[suffix])
     configs.apply_overrides(config, configs.parse_overrides(args.set))
     configs.validate(config)
     return config
@@ -414,6 +427,8 @@ def run_policy(args, policy: str, budget: float | None) -> dict:
     started = time.perf_counter()
     result = run_child(args, policy, budget)
     returncodes = {"fixed": result["returncode"]}
+    if args.no_search and result.get("search") is None:
+        result["search"] = "skipped: --no_search"
     if result["returncode"] == 0 and result.get("search") is None:
         left = None if budget is None else budget - (time.perf_counter() - started)
         if left is not None and left <= 0:

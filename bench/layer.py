@@ -34,8 +34,15 @@ from coat_jax.models.policy import POLICIES, get_policy
 F8_GEMM = "__cublas$lt$matmul$f8"
 
 
-VARIANTS = {"coat+fused": ("coat", Fp8Recipe(fused_quantize="pallas"))}
-"""Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels."""
+VARIANTS = {
+    "coat+fused": ("coat", Fp8Recipe(fused_quantize="pallas")),
+    "fp8_linear+pallas_gemm": ("fp8_linear", Fp8Recipe(gemm="pallas")),
+    "coat+pallas_gemm": ("coat", Fp8Recipe(gemm="pallas")),
+    "coat+auto_gemm": ("coat", Fp8Recipe(gemm="auto")),
+}
+"""Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
+(``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
+``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``)."""
 
 
 def run_policy(args) -> dict:
@@ -99,6 +106,9 @@ def main():
                         help="measure one policy only")  # fmt: skip
     parser.add_argument("--fused", action="store_true",
                         help="add a row: COAT with Fp8Recipe(fused_quantize='pallas')")
+    parser.add_argument("--gemm", action="store_true",
+                        help="add rows: fp8_linear and COAT with Fp8Recipe(gemm='pallas'), COAT "
+                        "with gemm='auto'")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -106,7 +116,9 @@ def main():
         return
 
     rows = []
-    for policy in ("bf16", "fp8_linear", "coat", *(["coat+fused"] if args.fused else [])):
+    extra = (["coat+fused"] if args.fused else []) + (
+        ["fp8_linear+pallas_gemm", "coat+pallas_gemm", "coat+auto_gemm"] if args.gemm else [])
+    for policy in ("bf16", "fp8_linear", "coat", *extra):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -2,11 +2,14 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=10 (~6 min,
-# issue 18's 7B peak with the update in the backward pass), PART=8 (~4 min: the 3-warpgroup
-# GEMM's time, the parts kernel's compiled tests), PART=9 (~6 min: 114M throughput),
-# SEEDS=1 RUNS="coat+fp8_adamw;coat+fp8_adamw, bf16 gradients, bf16+8 master" PART=6 (~5 min),
-# then PART=7 RECIPE=fine and RECIPE=default (~9 min each) when a session has room.
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=12 (~6 min,
+# issue 24: the 7B step at batch 4 with and without the Pallas GEMMs, beside fp8_linear; give
+# it the whole call), PART=8 (~4 min: the 3-warpgroup GEMM's time; the parts kernel's and the
+# skip flag's compiled tests), PART=9 (~6 min: 114M throughput), SEEDS=1 RUNS="coat+fp8_adamw;
+# coat+fp8_adamw, bf16 gradients, bf16+8 master" PART=6 (~5 min), then PART=7 RECIPE=fine and
+# RECIPE=default (~9 min each) when a session has room. PART=10 ran on 2026-12-02 (the update
+# in the backward pass: 67.9 / 61.2 GB, above the default step): next there, a dump of the
+# compiled GPU step's buffer assignment, not another run.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -49,6 +52,14 @@
 #                                      BF16 + 16-bit and + 8-bit master weights (target <= 45
 #                                      GB), then the planner's largest batch (target >= 18,
 #                                      3.5x BF16's 5)
+#   PART=11 bash bench/pending_gpu.sh  issue 24: one 7B block, batch 4, with every per-tensor
+#                                      FP8 GEMM on the Pallas kernel (fp8_linear and COAT) and
+#                                      COAT with gemm=auto, beside the cuBLASLt rows; then the
+#                                      Pallas per-tensor GEMM vs cuBLASLt on the step's other
+#                                      shapes (weight gradients at batch 4, forwards at batch 8)
+#   PART=12 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4 (M = 8192,
+#                                      every GEMM shape measured): fp8_linear, COAT, COAT with
+#                                      fp8.gemm=auto (the Pallas per-tensor GEMM)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -143,22 +154,35 @@ case "${PART:-1}" in
     --json "$OUT/e2e_llama2_7b_${tag}_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
   ;;
 10)
+  echo "== gpu tests: the fused update on BF16 master weights' parts (and its skip flag), compiled"
+  timeout 150 $PY -m pytest -q -k "pallas or compiled" tests/test_master_weights.py \
+    tests/test_pallas_adam_update.py 2>&1 | tail -4
   for mw in bf16+16 bf16+8; do
-    echo "== Llama-2-7B, batch 1, update in the backward pass, master weights $mw (6 steps)"
+    echo "== Llama-2-7B, batch 1, update in the backward pass, master weights $mw on the parts kernel (6 steps)"
     rm -rf /tmp/p10
-    timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
+    timeout 170 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
       --config.optimizer.update_in_backward=True --config.optimizer.master_weights=$mw \
-      --config.grad_dtype=bfloat16 --config.steps=6 --config.optimizer.warmup_steps=2 \
-      --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-      --config.workdir=/tmp/p10 2>&1 | tee "$OUT/train_llama2_7b_b1_inbwd_${mw/+/_}_h200_$DAY.txt" \
-      | grep -E "peak|tokens_per_s|Error" | tail -3
-    cp /tmp/p10/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_${mw/+/_}_h200_$DAY.jsonl" 2>/dev/null
+      --config.optimizer.kernels=pallas --config.grad_dtype=bfloat16 --config.steps=6 \
+      --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
+      --config.checkpoint_interval=0 --config.workdir=/tmp/p10 2>&1 \
+      | tee "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.txt" \
+      | grep -E "peak|tokens_per_s|Error" | tail -2
+    cp /tmp/p10/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.jsonl" 2>/dev/null
   done
-  echo "== the planner's largest batch, update in the backward pass, BF16 + 8-bit"
-  timeout 150 $PY train.py --config configs/llama2_7b.py --config.batch_size=-1 --dry_run \
-    --config.optimizer.update_in_backward=True --config.optimizer.master_weights=bf16+8 \
-    --config.grad_dtype=bfloat16 --config.workdir=/tmp/p10_plan 2>&1 \
-    | tee "$OUT/plan_llama2_7b_inbwd_h200_$DAY.txt" | tail -12
+  ;;
+12)
+  echo "== Llama-2-7B through train.py at batch 4: fp8_linear, COAT (cuBLASLt), COAT + Pallas GEMMs"
+  timeout 560 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
+    --policies fp8_linear+adamw,coat+fp8_adamw,coat+fp8_adamw+auto_gemm \
+    --json "$OUT/e2e_llama2_7b_b4_gemm_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+  ;;
+11)
+  echo "== one Llama-2-7B block, batch 4: cuBLASLt vs Pallas per-tensor FP8 GEMMs"
+  timeout 330 $PY bench/layer.py --gemm --json "$OUT/layer_gemm_h200_$DAY.json" 2>&1 | tail -11
+  echo "== Pallas per-tensor GEMM vs cuBLASLt FP8 on the step's shapes (MxKxN)"
+  timeout 200 $PY bench/gemm.py --iters 20 --only "(N, K) weight,Pallas per-tensor" \
+    --shapes 4096x8192x4096,4096x8192x11008,11008x8192x4096,16384x4096x4096,16384x4096x11008,16384x11008x4096 \
+    --json "$OUT/gemm_step_shapes_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -12
   ;;
 9)
   run_114m() {  # tag, overrides...

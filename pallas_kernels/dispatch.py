@@ -46,9 +46,11 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     "adam_update": True,
     # The same kernel reading and writing BF16 master weights' parts, H200, jax 0.11.2, 1.01B
     # params (bench/results/optimizer_master_h200_2026-12-01.json): 9.92 ms (16-bit remainder;
-    # 8-bit 10.17) against 14.37 ms for fp32 rebuilt around the kernel above. Off until its
-    # compiled tests (tests/test_master_weights.py on a Hopper GPU) have run there.
-    "adam_update_parts": False,
+    # 8-bit 10.17) against 14.37 ms for fp32 rebuilt around the kernel above. Its compiled
+    # tests (tests/test_master_weights.py, tests/test_pallas_adam_update.py) passed on an H200
+    # on 2026-12-02, and Llama-2-7B trained through it there with the losses of the rebuilt
+    # path (bench/results/train_llama2_7b_b1_inbwd_parts_*_h200_2026-12-02.txt).
+    "adam_update_parts": True,
     # The COAT norm / SwiGLU forwards with quantization inside (pallas_kernels/fused_quantize.py):
     # compiled tests pass on an H200 (2026-12-01), but one 7B block is no faster (13.79 ms
     # against 13.70 unfused, bench/results/layer_fused_h200_2026-12-01.json).
@@ -127,6 +129,13 @@ GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {
     (8192, 4096, 11008): True,
     (8192, 11008, 4096): True,
     (8192, 8192, 8192): True,
+    # Same, 2026-12-02 (bench/results/gemm_step_shapes_h200_2026-12-02.json): a 7B step's
+    # weight-gradient GEMMs at batch 4 (x^T dy: M = K_in, K = 8192 tokens) and a forward at
+    # batch 8: 1525 vs 1346, 1484 vs 1385, 1489 vs 1379; 1487 vs 1245.
+    (4096, 8192, 4096): True,
+    (4096, 8192, 11008): True,
+    (11008, 8192, 4096): True,
+    (16384, 4096, 4096): True,
 }
 """Per ``(M, K, N)`` of a per-tensor FP8 GEMM, whether bench/gemm.py measured the Pallas kernel
 faster than XLA's cuBLASLt FP8 on a Hopper GPU (``"auto"`` uses it there; shapes not listed

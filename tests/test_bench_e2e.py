@@ -114,6 +114,15 @@ def test_e2e_on_two_devices_matches_one_device(one_device, cache, tmp_path):
     assert abs(fixed["loss"] - one_device[1]["results"][0]["fixed"]["loss"]) < 3e-3
 
 
+def test_no_search_runs_the_fixed_batch_only(cache, tmp_path):
+    path = tmp_path / "fixed.json"
+    run("e2e.py", *TINY, *cache, "--device_limit_gb", str(LIMIT_GB), "--no_search", "--json",
+        str(path), env=FAST)  # fmt: skip
+    (r,) = json.loads(path.read_text())["results"]
+    assert r["returncodes"] == {"fixed": 0} and r["search"] == "skipped: --no_search"
+    assert r["runs"] == [2] and r["fixed"]["tokens_per_s"] > 0 and r["max_batch"] is None
+
+
 def test_e2e_refuses_bad_runs_before_any_child(monkeypatch, capsys):
     monkeypatch.setattr(e2e, "run_child", lambda *a, **k: pytest.fail("a child started"))
     for argv, message in [
@@ -191,5 +200,7 @@ def test_policy_names_and_flags_make_the_config():
         "fp8_adamw",
         "bfloat16",
     )
-    with pytest.raises(ValueError, match="third part"):
+    config = e2e.bench_config(args, "coat+fp8_adamw+bf16_grads+auto_gemm")
+    assert (config.grad_dtype, config.fp8.gemm) == ("bfloat16", "auto")
+    with pytest.raises(ValueError, match="'fp16' is not one of"):
         e2e.bench_config(args, "coat+fp8_adamw+fp16")
