@@ -135,6 +135,8 @@ def bench_config(args, policy: str):
     from coat_jax.models.llama import PRESETS
     from coat_jax.training import configs
 
+    if "+" not in policy:
+        raise ValueError(f"policy {policy!r}: expected <precision>+<optimizer>[+suffix...]")
     precision, optimizer, *suffixes = policy.split("+")
     for suffix in suffixes:
         if suffix not in SUFFIXES:

@@ -8,8 +8,8 @@
 # skip flag's compiled tests), PART=9 (~6 min: 114M throughput), SEEDS=1 RUNS="coat+fp8_adamw;
 # coat+fp8_adamw, bf16 gradients, bf16+8 master" PART=6 (~5 min), then PART=7 RECIPE=fine and
 # RECIPE=default (~9 min each) when a session has room. PART=10 ran on 2026-12-02 (the update
-# in the backward pass: 67.9 / 61.2 GB, above the default step): next there, a dump of the
-# compiled GPU step's buffer assignment, not another run.
+# in the backward pass: 67.9 / 61.2 GB, above the default step): next there PART=13 (~4 min),
+# what the compiled GPU step holds at its peak, not another run.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -60,6 +60,14 @@
 #   PART=12 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4 (M = 8192,
 #                                      every GEMM shape measured): fp8_linear, COAT, COAT with
 #                                      fp8.gemm=auto (the Pallas per-tensor GEMM)
+#   PART=13 bash bench/pending_gpu.sh  issue 18: what Llama-2-7B's compiled step holds at its
+#                                      peak (bench/peak_buffers.py, nothing runs), batch 1, bf16
+#                                      gradients: the default step, then the update in the
+#                                      backward pass on BF16 + 16-bit master weights
+#   PART=14 bash bench/pending_gpu.sh  issue 24: where the 7B step's time goes at batch 4 with
+#                                      cuBLASLt and with the Pallas GEMMs (profile_step, one
+#                                      after the other): if PART=12 shows the Pallas step slower
+#                                      while the block (bench/layer.py --gemm) is faster
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -183,6 +191,23 @@ case "${PART:-1}" in
   timeout 200 $PY bench/gemm.py --iters 20 --only "(N, K) weight,Pallas per-tensor" \
     --shapes 4096x8192x4096,4096x8192x11008,11008x8192x4096,16384x4096x4096,16384x4096x11008,16384x11008x4096 \
     --json "$OUT/gemm_step_shapes_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -12
+  ;;
+13)
+  echo "== Llama-2-7B, batch 1, bf16 gradients: buffers live at the compiled step's peak"
+  timeout 200 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
+    --json "$OUT/peak_llama2_7b_b1_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -30
+  echo "== the same with the update in the backward pass, BF16 + 16-bit master weights"
+  timeout 200 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
+    --set optimizer.update_in_backward=True --set optimizer.master_weights=bf16+16 \
+    --json "$OUT/peak_llama2_7b_b1_inbwd_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -30
+  ;;
+14)
+  for gemm in xla auto; do
+    echo "== Llama-2-7B COAT step at batch 4, fp8.gemm=$gemm: device time by category"
+    timeout 270 $PY bench/profile_step.py --set batch_size=4 --set fp8.gemm=$gemm \
+      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_h200_$DAY.json" 2>&1 \
+      | grep -v -i warn | tail -16
+  done
   ;;
 9)
   run_114m() {  # tag, overrides...

@@ -204,3 +204,5 @@ def test_policy_names_and_flags_make_the_config():
     assert (config.grad_dtype, config.fp8.gemm) == ("bfloat16", "auto")
     with pytest.raises(ValueError, match="'fp16' is not one of"):
         e2e.bench_config(args, "coat+fp8_adamw+fp16")
+    with pytest.raises(ValueError, match="expected <precision>"):
+        e2e.bench_config(args, "coat")

@@ -9,6 +9,7 @@ import pytest
 import coat_jax
 from coat_jax.core import adam as adam_math
 from coat_jax.core import master
+from coat_jax.core.quant import QuantizedArray
 from coat_jax.ops import fused_update
 from pallas_kernels import adam_step, adam_update, dispatch
 
@@ -81,16 +82,23 @@ def assert_params_close(got, want, params, grad_dtype):
 
 
 def assert_states_close(got, want, exact: bool):
+    """Moments equal to fp32 rounding (``exact``), or else with a few codes on the other side of
+    a rounding step and at most one group per moment whose expansion ``k`` (hence all of its
+    codes) did: the kernel and the chain round the same math in different orders (a group
+    of 64 flipped in CI on 2026-12-02, and in 1 of 92 runs here, old kernel or new)."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
     np.testing.assert_array_equal(got.count, want.count)
-    for g, w in zip(jax.tree.leaves(got.mu) + jax.tree.leaves(got.nu),
-                    jax.tree.leaves(want.mu) + jax.tree.leaves(want.nu), strict=True):  # fmt: skip
-        assert g.shape == w.shape and g.dtype == w.dtype
-        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
-        if exact:
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
-        else:  # codes of a few values or one k may sit on the other side of a rounding step
-            assert np.mean(~np.isclose(g, w, rtol=1e-6, atol=0)) < 2e-3
+    is_q = lambda x: isinstance(x, QuantizedArray)
+    moments = lambda s: jax.tree.leaves(s.mu, is_leaf=is_q) + jax.tree.leaves(s.nu, is_leaf=is_q)
+    for got_m, want_m in zip(moments(got), moments(want), strict=True):
+        one_group = 1.0 / want_m.amax.size if is_q(want_m) and want_m.per_group else 0.0
+        for g, w in zip(jax.tree.leaves(got_m), jax.tree.leaves(want_m), strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+            if exact:
+                np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+            else:
+                assert np.mean(~np.isclose(g, w, rtol=1e-6, atol=0)) < 2e-3 + one_group
 
 
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])

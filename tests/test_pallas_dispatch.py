@@ -89,6 +89,12 @@ MEASURED = {
         "fused FP8 AdamW update (Pallas, expansion)",
         "fused FP8 AdamW update (XLA jnp reference, expansion)",
     ),
+    # against what auto ran before: fp32 rebuilt around the fp32 kernel
+    "adam_update_parts": (
+        "optimizer_master_h200_2026-12-01.json",
+        "fused, BF16 + 16-bit remainder (Pallas on the parts)",
+        "fused, BF16 + 16-bit remainder (fp32 rebuilt around the Pallas kernel)",
+    ),
 }
 
 

@@ -102,13 +102,15 @@ def make_train_step(
     def micro_loss(params, tokens):
         return _batch_loss(graph, params, tokens)
 
-    def apply(state, grads, skip=False):
+    def apply(state, grads, skip=None):
         """``state`` ``(params, opt_state)`` after the optimizer step on ``grads``; ``skip``
-        (traced) only reaches the fused update, which then returns ``state`` unchanged."""
+        (traced), where given, goes to the fused update, which then returns ``state``
+        unchanged where it is true."""
+        flag = {} if skip is None else {"skip": skip}
 
         def fp32_update(params, opt_state):
             if fused_update is not None:
-                return fused_update(params, grads, opt_state, skip=skip)
+                return fused_update(params, grads, opt_state, **flag)
             g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             updates, opt_state = optimizer.update(g32, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -118,7 +120,7 @@ def make_train_step(
         if fused_update is not None:  # the kernel reads and writes the parts
             params, opt_state = state
             params, remainder, inner = fused_update(params, grads, opt_state.inner,
-                                                    opt_state.remainder, skip=skip)  # fmt: skip
+                                                    opt_state.remainder, **flag)  # fmt: skip
             return params, master_weights.MasterWeightsState(remainder, inner)
         return master_weights.apply_exactly(*state, master_bits, fp32_update)
 
