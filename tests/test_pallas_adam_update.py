@@ -85,7 +85,7 @@ def assert_states_close(got, want, exact: bool):
     """Moments equal to fp32 rounding (``exact``), or else with a few codes on the other side of
     a rounding step and at most one group per moment whose expansion ``k`` (hence all of its
     codes) did: the kernel and the chain round the same math in different orders (a group
-    of 64 flipped in CI on 2026-12-02, and in 1 of 92 runs here, old kernel or new)."""
+    of 64 flipped in CI on 2026-12-02, and in 1 of 12 runs of one test here)."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
     np.testing.assert_array_equal(got.count, want.count)
     is_q = lambda x: isinstance(x, QuantizedArray)
