@@ -116,8 +116,8 @@ def main():
         return
 
     rows = []
-    extra = (["coat+fused"] if args.fused else []) + (
-        ["fp8_linear+pallas_gemm", "coat+pallas_gemm", "coat+auto_gemm"] if args.gemm else [])
+    extra = [v for v in VARIANTS if (args.fused and v.endswith("fused"))
+             or (args.gemm and v.endswith("gemm"))]  # fmt: skip
     for policy in ("bf16", "fp8_linear", "coat", *extra):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):

@@ -32,8 +32,9 @@ import glob
 import json
 import os
 import re
-import sys
 import tempfile
+
+from profile_step import INSTRUCTION, add_config_args, hlo_categories, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
@@ -44,9 +45,7 @@ OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "llama2_7b.py"))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. batch_size=1 (repeatable)")  # fmt: skip
+    add_config_args(parser)
     parser.add_argument("--top", type=int, default=25, help="largest buffers listed")
     parser.add_argument("--dump_dir", help="keep XLA's dump here (default: a temp dir)")
     parser.add_argument("--json")
@@ -74,8 +73,6 @@ def parse_live_ranges(text: str) -> dict:
 def describe_instructions(hlo_text: str) -> dict[str, dict]:
     """``{name: {"opcode", "shape", "category", "pass", "op_name"}}`` for every instruction of
     an optimized HLO module's text."""
-    from profile_step import INSTRUCTION, hlo_categories
-
     categories = hlo_categories(hlo_text)
     out = {}
     for line in hlo_text.splitlines():
@@ -125,13 +122,12 @@ def _dumped(dump_dir: str, suffix: str) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     dump_dir = args.dump_dir or tempfile.mkdtemp(prefix="peak_buffers_")
-    if "jax" in sys.modules:
-        raise RuntimeError("peak_buffers.main must run before jax is imported (XLA_FLAGS)")
+    # XLA reads XLA_FLAGS when JAX's backend starts (the first compile or device query), not
+    # when jax is imported: set them before anything here touches a device
     flags = (f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
              "--xla_dump_hlo_module_re=.*step.*")  # fmt: skip
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     import jax
-    from profile_step import load_config
 
     from coat_jax.core import measure
     from coat_jax.training import allocator, planner

@@ -48,11 +48,17 @@ FP8_TYPE = re.compile(r"\bf8e\w+\[")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_config_args(parser) -> None:
+    """``--config`` (default: Llama-2-7B) and ``--set`` overrides, read by :func:`load_config`:
+    the trainer's step the step benches build."""
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "llama2_7b.py"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. precision=coat (repeatable)")  # fmt: skip
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_args(parser)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="steps traced")
     parser.add_argument("--top", type=int, default=15, help="kernels listed")

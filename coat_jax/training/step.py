@@ -90,9 +90,8 @@ def make_train_step(
     around the backward pass: on XLA's CPU backend the FP8 backward computed inside one came
     out different from the same backward outside it); the fused update takes the test as
     its ``skip`` flag instead, so that its kernel still updates in place (a select after it
-    would keep the old parameters and state beside the new);
-    a finite loss whose gradients are not
-    finite updates the parameters as ``optax.adamw`` would (the next steps' losses are then
+    would keep the old parameters and state beside the new); a finite loss whose gradients
+    are not finite updates the parameters as ``optax.adamw`` would (the next steps' losses are then
     non-finite and skipped, and no checkpoint keeps such a state). One micro-batch a step.
     """
     if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -135,9 +134,9 @@ def make_train_step(
             state = apply((params, opt_state), grads, skip=~finite)
         else:
             state = apply((params, opt_state), grads)
-        if skip_nonfinite and fused_update is None:  # per array: no update waits for another
-            keep = lambda new, old: jnp.where(finite, new, old)
-            state = jax.tree.map(keep, state, (params, opt_state))
+            if skip_nonfinite:  # per array: no update waits for another's gradient
+                keep = lambda new, old: jnp.where(finite, new, old)
+                state = jax.tree.map(keep, state, (params, opt_state))
         return *state, {"loss": loss, "grad_norm": global_norm_fp32(grads), "skipped": ~finite}
 
     def step(params, opt_state, batch):
