@@ -15,6 +15,7 @@ from tiny import tiny_run
 
 import coat_jax
 from coat_jax.core import master
+from coat_jax.ops import master_weights as master_weights_module
 from coat_jax.ops.master_weights import master_weights, to_bf16_parts
 from coat_jax.training import configs, parallel
 from coat_jax.training.run import assemble
@@ -213,6 +214,75 @@ def test_repack_keeps_values_and_frees_the_old_buffers_unless_the_host_is_short(
     for key in ("w", "r"):
         assert packed[key].dtype == want[key].dtype
         np.testing.assert_array_equal(np.asarray(packed[key]), want[key])
+
+
+def live_bytes():
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_split_leaf_by_leaf_frees_each_fp32_array_once_split(bits, monkeypatch):
+    """The devices never hold the fp32 tree and all its parts together: before each leaf's
+    split, live bytes stay within the fp32 tree's (plus one leaf's parts); every fp32 array is
+    deleted afterwards, and the parts rebuild it (exactly with 16 bits)."""
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 6)
+    shapes = [(256, 512), (512, 256), (128,), (64, 64, 8), (1000,), (256, 384)]
+    baseline = live_bytes()
+    weights = {f"w{i}": jax.random.normal(k, shape) for i, (k, shape) in
+               enumerate(zip(keys, shapes, strict=True))}  # fmt: skip
+    want = {k: np.array(w) for k, w in weights.items()}  # (device_get copies on the CPU)
+    total = sum(w.nbytes for w in jax.tree.leaves(weights))
+    largest = max(w.nbytes for w in jax.tree.leaves(weights))
+    seen = []
+    real = master_weights_module._split_leaf
+    monkeypatch.setattr(master_weights_module, "_split_leaf",
+                        lambda w, b: (seen.append(live_bytes()), real(w, b))[1])  # fmt: skip
+    old = jax.tree.leaves(weights)
+    hi, remainder = master_weights_module.split_leaf_by_leaf(weights, bits)
+    del weights
+    assert len(seen) == len(shapes)
+    # whole-tree splitting would reach total * (1 + (2 + bits / 8) / 4) before the last leaf
+    assert max(seen) - baseline <= total + largest, (max(seen) - baseline, total)
+    assert all(w.is_deleted() for w in old)
+    for k, w in want.items():
+        assert hi[k].dtype == jnp.bfloat16 and remainder[k].dtype == master.remainder_dtype(bits)
+        got = np.asarray(master.join(hi[k], remainder[k]))
+        if bits == 16:
+            np.testing.assert_array_equal(bits_of(got), bits_of(w))
+        else:
+            np.testing.assert_allclose(got, w, rtol=2.0**-15, atol=0)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_create_with_master_weights_splits_the_fp32_init_and_keeps_nothing_else(bits, monkeypatch):
+    """``Run.create`` with BF16 master weights: the parameters are the BF16 parts of the fp32
+    initialization, split leaf by leaf (live bytes within the fp32 weights' plus the largest
+    leaf's parts), the state's remainders its remainders, and nothing else it made is left on
+    the devices."""
+    run = tiny_run(**{"optimizer.master_weights": f"bf16+{bits}"})
+    before = {id(x) for x in jax.live_arrays()}
+    seen = []
+    real = master_weights_module._split_leaf
+    monkeypatch.setattr(master_weights_module, "_split_leaf",
+                        lambda w, b: (seen.append(live_bytes()), real(w, b))[1])  # fmt: skip
+    baseline = live_bytes()
+    params, opt_state = run.create()
+    fp32 = 4 * sum(x.size for x in jax.tree.leaves(params))
+    assert seen and max(seen) - baseline <= 1.5 * fp32, (max(seen) - baseline, fp32)
+    kept = before | {id(x) for x in jax.tree.leaves((params, opt_state))}
+    stray = [x.shape for x in jax.live_arrays() if id(x) not in kept and x.size > 1]
+    assert not stray, stray
+    from coat_jax.models.llama import init_params
+
+    fp32 = init_params(run.model, run.config.seed, run.placement.params)[1]
+    want_hi, want_r = master_weights_module.split_tree(fp32, bits)
+    (remainder,) = [s.remainder for s in jax.tree.leaves(
+        opt_state, is_leaf=lambda s: isinstance(s, master_weights_module.MasterWeightsState))
+        if isinstance(s, master_weights_module.MasterWeightsState)]  # fmt: skip
+    for got, want in zip(jax.tree.leaves((params, remainder)), jax.tree.leaves((want_hi, want_r)),
+                         strict=True):  # fmt: skip
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_public_name():
