@@ -178,7 +178,7 @@ def _call(*arrays, static):
         w = tuple(r[...] for r in w_refs)
         new_p = _step(w[0] if bits is None else master.join(*w), u, neg_lr, wd, decay, g.dtype)
         # the new weight leaves the chip as its two parts only (BF16 master weights)
-        new_w = (new_p,) if bits is None else master.split(new_p, bits)
+        new_w = (new_p,) if bits is None else master.split_bits(new_p, bits)
         for ref, value in zip(outs[:k], unless(skip, w, new_w), strict=True):
             ref[...] = value
         new_m, new_v = unless(skip, (m_state, v_state), (new_m, new_v))

@@ -38,6 +38,34 @@ def test_split_join_is_exact_for_every_bit_pattern(patterns):
     np.testing.assert_array_equal(bits_of(master.join(hi, remainder)), bits_of(w))
 
 
+def numpy_split(w):
+    """:func:`master.split` (16 bits) in numpy integer arithmetic: the reference."""
+    b = np.asarray(w, np.float32).view(np.uint32).astype(np.int64)
+    high = ((b + (1 << 15)) >> 16) & 0xFFFF
+    r = ((b - (high << 16)) + (1 << 15)) % (1 << 32) - (1 << 15)
+    return high.astype(np.uint16), r.astype(np.int16)
+
+
+@pytest.mark.parametrize("how", ["times", "plus_joined"])
+def test_split_of_a_computed_weight_keeps_its_remainder(how):
+    """A split fused with the arithmetic that makes its input (as every optimizer step's is):
+    parts equal numpy's integer reference. Without the barrier in ``split`` an H200 returned
+    zero remainders here (jax 0.11.2, 2026-12-02); on the CPU both ways pass."""
+    w = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))),
+                          (512, 512)) * 0.02  # fmt: skip
+    if how == "times":
+        got = jax.jit(lambda w: master.split(w * 1.0001))(w)
+        want = np.asarray(w) * np.float32(1.0001)
+    else:
+        hi, r = master.split(w)
+        got = jax.jit(lambda h, r: master.split(master.join(h, r) + 0.001))(hi, r)
+        want = np.asarray(w) + np.float32(0.001)
+    want_hi, want_r = numpy_split(want)
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), want_hi)
+    np.testing.assert_array_equal(np.asarray(got[1]), want_r)
+    assert np.mean(want_r == 0) < 0.01  # the remainders carry information
+
+
 def test_bf16_part_is_round_to_nearest_ties_away():
     """The BF16 part is the nearest BF16 value (``astype``'s but on exact ties, which go away
     from zero): checked on random finite floats and on ties built bit by bit."""

@@ -35,6 +35,7 @@ __all__ = [
     "remainder_bits",
     "remainder_dtype",
     "split",
+    "split_bits",
 ]
 
 REMAINDER_DTYPES = {16: jnp.dtype(jnp.int16), 8: jnp.dtype(jnp.int8)}
@@ -74,7 +75,19 @@ def bf16_part(w: jax.Array) -> jax.Array:
 
 def split(w: jax.Array, bits: int = 16) -> tuple[jax.Array, jax.Array]:
     """``(bf16 part, remainder)`` of fp32 ``w``: :func:`join` rebuilds ``w`` bit for bit with
-    ``bits=16`` (int16 remainder), to under 2^-15 relative with ``bits=8`` (int8)."""
+    ``bits=16`` (int16 remainder), to under 2^-15 relative with ``bits=8`` (int8).
+
+    ``w`` passes an optimization barrier first, so XLA splits it as a materialized fp32 array:
+    on an H200 (jax 0.11.2, 2026-12-02) XLA returned all-zero remainders (correct BF16 parts)
+    for a split fused with the arithmetic that produced ``w`` (``jit(lambda w: split(w *
+    1.0001))``), and exact ones for a ``w`` read from memory. Inside a Pallas kernel use
+    :func:`split_bits` (the same integer arithmetic, no barrier)."""
+    return split_bits(jax.lax.optimization_barrier(w), bits)
+
+
+def split_bits(w: jax.Array, bits: int = 16) -> tuple[jax.Array, jax.Array]:
+    """:func:`split`'s integer arithmetic on the bits of ``w``, without its barrier (for kernel
+    bodies, which read ``w`` from registers)."""
     dtype = remainder_dtype(bits)
     bits32 = jax.lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32)
     high = _high(bits32)
