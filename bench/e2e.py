@@ -123,6 +123,7 @@ SUFFIXES = {
     "fp32_grads": {"grad_dtype": "float32"},
     "auto_gemm": {"fp8.gemm": "auto"},
     "pallas_gemm": {"fp8.gemm": "pallas"},
+    "requantize": {"fp8.saved_weights": "requantize"},
 }
 """Policy suffixes (``coat+fp8_adamw+bf16_grads+auto_gemm``) and the config keys they set."""
 

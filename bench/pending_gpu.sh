@@ -2,14 +2,13 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=12 (~6 min,
-# issue 24: the 7B step at batch 4 with and without the Pallas GEMMs, beside fp8_linear; give
-# it the whole call), PART=8 (~4 min: the 3-warpgroup GEMM's time; the parts kernel's and the
-# skip flag's compiled tests), PART=9 (~6 min: 114M throughput), SEEDS=1 RUNS="coat+fp8_adamw;
-# coat+fp8_adamw, bf16 gradients, bf16+8 master" PART=6 (~5 min), then PART=7 RECIPE=fine and
-# RECIPE=default (~9 min each) when a session has room. PART=10 ran on 2026-12-02 (the update
-# in the backward pass: 67.9 / 61.2 GB, above the default step): next there PART=13 (~4 min),
-# what the compiled GPU step holds at its peak, not another run.
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=16 (~6 min:
+# the split fix's GPU test and the skip flag's, then what the compiled 7B step holds with and
+# without fp8.saved_weights=requantize, side by side), PART=14 (~9 min: where the 7B step's
+# time goes with cuBLASLt and with Pallas GEMMs: on 2026-12-02 the Pallas step was 4% slower
+# while the block took 9% less time), SEEDS=1 RUNS="coat+fp8_adamw;coat+fp8_adamw, bf16
+# gradients, bf16+8 master" PART=6 (~5 min), PART=9 (~6 min: 114M throughput), then PART=7
+# RECIPE=fine and RECIPE=default (~9 min each) when a session has room.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -68,6 +67,15 @@
 #                                      cuBLASLt and with the Pallas GEMMs (profile_step, one
 #                                      after the other): if PART=12 shows the Pallas step slower
 #                                      while the block (bench/layer.py --gemm) is faster
+#   PART=15 bash bench/pending_gpu.sh  issue 18: Llama-2-7B at batch 1 with every memory option
+#                                      (update in the backward pass, BF16 + 8-bit, bf16
+#                                      gradients, weights requantized in backward): peak and
+#                                      tokens/s; then 7B at batch 4, COAT with and without the
+#                                      requantized weights (tokens/s, peak)
+#   PART=16 bash bench/pending_gpu.sh  the split-with-barrier test and the skip flag's on the
+#                                      GPU; then the compiled 7B step's peak buffers with
+#                                      fp8.saved_weights fp8 / requantize (batch 1 in the
+#                                      backward pass on BF16 + 8-bit; batch 4 on fp32 master)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -176,6 +184,45 @@ case "${PART:-1}" in
       | tee "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.txt" \
       | grep -E "peak|tokens_per_s|Error" | tail -2
     cp /tmp/p10/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.jsonl" 2>/dev/null
+  done
+  ;;
+15)
+  echo "== gpu tests: the skip flag's test"
+  timeout 150 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_pallas_adam_update.py::test_a_skipped_step_returns_its_inputs_bit_for_bit \
+    2>&1 | grep -E "passed|failed|Error|^E " | head -12
+  echo "== Llama-2-7B, batch 1, bf16 gradients, update in the backward pass, BF16 + 8-bit master,"
+  echo "   weights requantized in backward (6 steps; create() splits leaf by leaf)"
+  rm -rf /tmp/p15
+  timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
+    --config.optimizer.update_in_backward=True --config.optimizer.master_weights=bf16+8 \
+    --config.fp8.saved_weights=requantize --config.grad_dtype=bfloat16 --config.steps=6 \
+    --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
+    --config.checkpoint_interval=0 --config.workdir=/tmp/p15 2>&1 \
+    | tee "$OUT/train_llama2_7b_b1_inbwd_bf16_8_requant_h200_$DAY.txt" \
+    | grep -E "peak|tokens_per_s|Error" | tail -2
+  cp /tmp/p15/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_bf16_8_requant_h200_$DAY.jsonl" 2>/dev/null
+  echo "== Llama-2-7B at batch 4: COAT, COAT with the weights requantized in backward"
+  timeout 260 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
+    --policies coat+fp8_adamw,coat+fp8_adamw+requantize \
+    --json "$OUT/e2e_llama2_7b_b4_requant_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+  ;;
+16)
+  echo "== a split fused with arithmetic (zero remainders on 2026-12-02 before the barrier), the skip flag"
+  timeout 170 $PY -m pytest -q -p no:cacheprovider tests/test_master_weights.py -k "computed or pallas" \
+    tests/test_pallas_adam_update.py::test_a_skipped_step_returns_its_inputs_bit_for_bit \
+    2>&1 | grep -E "passed|failed|Error|^E " | head -12
+  for s in fp8 requantize; do
+    echo "== Llama-2-7B compiled step, batch 1, bf16 gradients, in the backward pass, BF16 + 8-bit: saved_weights=$s"
+    timeout 110 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
+      --set optimizer.update_in_backward=True --set optimizer.master_weights=bf16+8 \
+      --set fp8.saved_weights=$s --json "$OUT/peak_llama2_7b_b1_inbwd_bf16_8_${s}_h200_$DAY.json" \
+      2>&1 | grep -v -i warn | head -12
+  done
+  for s in fp8 requantize; do
+    echo "== Llama-2-7B compiled step, batch 4, fp32 master (the default): saved_weights=$s"
+    timeout 110 $PY bench/peak_buffers.py --set batch_size=4 --set fp8.saved_weights=$s \
+      --json "$OUT/peak_llama2_7b_b4_${s}_h200_$DAY.json" 2>&1 | grep -v -i warn | head -12
   done
   ;;
 12)

@@ -280,6 +280,41 @@ def test_the_recipe_decides_formats_and_groups():
         flow.fp8_norm_project(jnp.ones((2, 48)), jnp.ones(48), (jnp.ones((48, 4)),), 1e-6, recipe)
 
 
+OPS = {  # each FP8 op with two kernels' worth of weights: (x, w1, w2) -> outputs
+    "project": lambda r: lambda x, w1, w2: flow.fp8_project(x, (w1, w2), r),
+    "norm_project": lambda r: lambda x, w1, w2: flow.fp8_norm_project(x, jnp.ones(64), (w1, w2),
+                                                                       1e-6, r),
+    "swiglu_project": lambda r: lambda x, w1, w2: flow.fp8_swiglu_project(x, x * 0.5, w1 + w2, r),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("forward_gemm", ["fp8", "bf16"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_requantized_weights_give_the_same_gradients_and_save_no_codes(op, forward_gemm):
+    """``saved_weights="requantize"``: backward rebuilds the forward's FP8 weight codes from the
+    weights (same ``amax``), so outputs and gradients equal ``"fp8"``'s bit for bit, and the
+    residuals hold no FP8 array shaped like a weight."""
+    kx, kw = jax.random.split(fresh_key())
+    x = activations(kx, (2, 8, 64))
+    w1, w2 = weights(kw, (64, 48), (64, 48))
+    kept, again = (Fp8Recipe(forward_gemm=forward_gemm, saved_weights=s)
+                   for s in ("fp8", "requantize"))  # fmt: skip
+    results = []
+    for recipe in (kept, again):
+        f = OPS[op](recipe)
+        out, vjp = jax.vjp(f, x, w1, w2)
+        ramp = lambda o: jnp.full_like(o, 0.01) * jnp.arange(o.shape[-1], dtype=o.dtype)
+        cot = jax.tree.map(ramp, out)
+        codes = [r.shape for r in jax.tree.leaves(vjp) if r.shape == (64, 48) and
+                 jnp.issubdtype(r.dtype, jnp.floating) and r.dtype.itemsize == 1]  # fmt: skip
+        results.append((out, vjp(cot), codes))
+    (out_kept, grads_kept, codes_kept), (out_again, grads_again, codes_again) = results
+    assert codes_kept and not codes_again, (codes_kept, codes_again)
+    for a, b in zip(jax.tree.leaves((out_kept, grads_kept)),
+                    jax.tree.leaves((out_again, grads_again)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

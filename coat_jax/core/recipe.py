@@ -27,6 +27,12 @@ field                  default    meaning
                                   ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
                                   ``reference`` (the XLA ops)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
+``saved_weights``      ``fp8``    what backward reads of per-tensor FP8 weights: ``fp8`` (the
+                                  forward's codes, kept: 1 byte a parameter held from each
+                                  layer's forward to its backward, all layers' at once when
+                                  backward starts) or ``requantize`` (the weights, which the
+                                  step holds anyway, quantized again with the forward's
+                                  ``amax``: same codes, one more read of the weights a step)
 =====================  =========  ===========================================================
 
 The precision policies (``coat_jax.models.policy``) hold a recipe; the FP8 ops
@@ -44,8 +50,8 @@ import jax
 
 from coat_jax.core.formats import Fp8Format, get_format
 
-__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "KERNEL_OPTIONS", "SCALINGS",
-           "Fp8Recipe"]  # fmt: skip
+__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "KERNEL_OPTIONS", "SAVED_WEIGHTS",
+           "SCALINGS", "Fp8Recipe"]  # fmt: skip
 
 ACT_GROUP = 16
 """COAT's group size for FP8 inputs of non-linear layers (1x16 along the hidden axis)."""
@@ -53,6 +59,7 @@ ACT_GROUP = 16
 GEMM_BACKENDS = ("xla", "pallas", "auto")
 SCALINGS = ("tensor", "row", "block")
 FORWARD_GEMMS = ("fp8", "bf16")
+SAVED_WEIGHTS = ("fp8", "requantize")
 KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
 """Where a Pallas kernel family runs (``pallas_kernels.dispatch.resolve``)."""
 
@@ -73,6 +80,7 @@ class Fp8Recipe:
     gemm_autotune: bool = True
     fused_quantize: str = "auto"
     triton_gemm: bool = False
+    saved_weights: str = "fp8"
 
     def __post_init__(self):
         for name in ("forward_format", "grad_format", "saved_format"):
@@ -95,6 +103,10 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.fused_quantize={self.fused_quantize!r}: expected one of "
                 f"{KERNEL_OPTIONS}"
+            )
+        if self.saved_weights not in SAVED_WEIGHTS:
+            raise ValueError(
+                f"Fp8Recipe.saved_weights={self.saved_weights!r}: expected one of {SAVED_WEIGHTS}"
             )
         for name in ("gemm_autotune", "triton_gemm"):
             if not isinstance(getattr(self, name), bool):

@@ -118,6 +118,7 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
     """
     if recipe.scaling != "tensor":
         return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
+    w_saved = _weight_codes(w_saved, douts[0], recipe)
     dx_dtype = douts[0].dtype
     term_dtype = dx_dtype if len(w_saved) == 1 else jnp.float32
     dx = None
@@ -183,7 +184,29 @@ def _project_quantized(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe
     """:func:`_project_forward` per tensor, from ``x`` already quantized (``xq``)."""
     wqs = tuple(quantize(w, recipe.forward) for w in kernels)
     outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
-    return outs, (xq, wqs)
+    return outs, (xq, _saved_weights(kernels, wqs, recipe))
+
+
+def _saved_weights(kernels, wqs, recipe: Fp8Recipe):
+    """What backward keeps of per-tensor FP8 weights ``wqs``: the codes themselves
+    (``recipe.saved_weights == "fp8"``: 1 byte a parameter, every layer's held from its
+    forward to its backward), or the weights and their ``amax`` (``"requantize"``: nothing
+    the step does not hold anyway; :func:`_weight_codes` rebuilds the same codes)."""
+    if recipe.saved_weights == "fp8":
+        return wqs
+    return tuple((w, wq.amax) for w, wq in zip(kernels, wqs, strict=True))
+
+
+def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
+    """The FP8 weights backward multiplies by, from :func:`_saved_weights`: the forward's
+    codes, requantized with the forward's ``amax`` where only the weights were kept. The
+    requantization waits for the output gradient ``dout`` (an optimization barrier): without
+    it XLA would merge it with the forward's identical quantization (CSE), or schedule it
+    early, and hold the codes from forward to backward again."""
+    if recipe.saved_weights == "fp8":
+        return w_saved
+    w_saved, _ = jax.lax.optimization_barrier((w_saved, dout))
+    return tuple(quantize(w, recipe.forward, amax=amax) for w, amax in w_saved)
 
 
 def _fused_mode(recipe: Fp8Recipe) -> str | None:
@@ -253,7 +276,8 @@ def _backward_operands(x, kernels, recipe: Fp8Recipe):
     tensor, FP8 ``x`` and FP8 weights; finer scaling, ``x^T`` along the tokens and the
     weights."""
     if recipe.scaling == "tensor":
-        return quantize(x, recipe.forward), tuple(quantize(w, recipe.forward) for w in kernels)
+        wqs = tuple(quantize(w, recipe.forward) for w in kernels)
+        return quantize(x, recipe.forward), _saved_weights(kernels, wqs, recipe)
     return _wgrad_operand(x, recipe), tuple(kernels)
 
 
