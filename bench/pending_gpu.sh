@@ -8,7 +8,9 @@
 # time goes with cuBLASLt and with Pallas GEMMs: on 2026-12-02 the Pallas step was 4% slower
 # while the block took 9% less time), SEEDS=1 RUNS="coat+fp8_adamw;coat+fp8_adamw, bf16
 # gradients, bf16+8 master" PART=6 (~5 min), PART=9 (~6 min: 114M throughput), then PART=7
-# RECIPE=fine and RECIPE=default (~9 min each) when a session has room.
+# RECIPE=fine and RECIPE=default (~9 min each) when a session has room. When nvidia-h200-x2 is
+# lent: the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8
+# --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then

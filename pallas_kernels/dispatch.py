@@ -150,19 +150,11 @@ def gemm_backend(choice: str, shape: tuple[int, int, int] | None = None) -> str:
     * ``"pallas"``: the Pallas wgmma kernel; a ``ValueError`` off a Hopper GPU.
     * ``"auto"``: Pallas on Hopper where :data:`GEMM_PALLAS_FASTER` says so, else XLA.
 
-    Under a multi-device mesh (``jax.set_mesh``) the kernel does not run (it is not
-    partitioned): ``"auto"`` gives XLA, ``"pallas"`` raises.
+    ``shape`` is the kernel's on one device: under a multi-device mesh the caller runs it on
+    each device's shard (``coat_jax.ops.sharded_gemm``) and passes the shard's shape.
     """
     if choice not in GEMM_BACKENDS:
         raise ValueError(f"gemm={choice!r}: expected one of {', '.join(GEMM_BACKENDS)}")
-    mesh = multi_device_mesh()
-    if choice != "xla" and mesh is not None:  # the kernel is not partitioned
-        if choice == "pallas":
-            raise ValueError(
-                f"gemm='pallas': the Pallas GEMM runs on one device, not under a "
-                f"{mesh.size}-device mesh; use 'auto' (XLA there) or 'xla'"
-            )
-        return "xla"
     if choice == "pallas":
         if not hopper_gpu():
             raise ValueError("gemm='pallas' needs a Hopper GPU; use 'auto' or 'xla'")

@@ -362,19 +362,29 @@ def test_gemm_backend_follows_the_recipes_choice():
             dispatch.gemm_backend("pallas")
 
 
-def test_gemm_backend_under_a_mesh(monkeypatch):
-    """On a Hopper GPU the measured shapes go to Pallas with ``auto``, but not under a
-    multi-device mesh (the kernel is not partitioned): XLA there, and ``pallas`` refuses."""
+def test_gemm_backend_under_a_mesh_takes_the_shards_shape(monkeypatch):
+    """Under a multi-device mesh the kernel runs on each device's shard
+    (:mod:`coat_jax.ops.sharded_gemm`): the dispatch table is read for the shard's shape,
+    which ``local_shape`` gives for each GEMM of a projection; ``pallas`` is taken there too."""
+    from coat_jax.ops import sharded_gemm
     from pallas_kernels import dispatch
 
     monkeypatch.setattr(dispatch, "hopper_gpu", lambda devices=None: True)
     shape = next(iter(dispatch.GEMM_PALLAS_FASTER))
-    assert dispatch.gemm_backend("auto", shape) == "pallas"
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
-        assert dispatch.gemm_backend("auto", shape) == "xla"
-        with pytest.raises(ValueError, match="2-device mesh"):
-            dispatch.gemm_backend("pallas", shape)
-    assert dispatch.gemm_backend("pallas", shape) == "pallas"
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    assert sharded_gemm.local_shape((4, 16, 64), (64, 96), (-1, 0)) == (64, 64, 96)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert dispatch.gemm_backend("auto", shape) == "pallas"
+        assert dispatch.gemm_backend("pallas", (8, 8, 8)) == "pallas"
+        assert sharded_gemm.local_shape((4, 16, 64), (64, 96), (-1, 0)) == (16, 64, 48)  # x W
+        assert sharded_gemm.local_shape((4, 16, 96), (64, 96), (2, 1)) == (16, 96, 32)  # dy W^T
+        assert sharded_gemm.local_shape((64, 64), (64, 96), (0, 0)) == (32, 16, 96)  # x^T dy
+        # a size that does not divide stays whole (tokens 6 over data x fsdp = 4)
+        assert sharded_gemm.local_shape((6, 64), (64, 96), (1, 0)) == (6, 64, 48)
+        assert sharded_gemm.local_shape((64, 8, 4), (64, 8), (0, 0)) is None  # no plan
+        with pytest.raises(ValueError, match="neither a projection"):
+            codes = jnp.zeros((64, 8, 4), jnp.float8_e4m3fn), jnp.zeros((64, 8), jnp.float8_e4m3fn)
+            sharded_gemm.dot_general(*codes, 1.0, (0, 0), jnp.bfloat16)
 
 
 @pytest.mark.gpu

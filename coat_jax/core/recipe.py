@@ -17,8 +17,9 @@ field                  default    meaning
                                   the FLOPs) in FP8; saved activations stay FP8 either way
 ``gemm``               ``xla``    GEMM backend: ``xla`` (FP8 codes into ``dot_general``, XLA's
                                   cuBLASLt FP8 call on Hopper), ``pallas`` (the Mosaic GPU
-                                  kernel, Hopper only, one device), ``auto`` (Pallas for the
-                                  shapes measured faster, ``pallas_kernels.dispatch``)
+                                  kernel, Hopper only; on each shard under a mesh), ``auto``
+                                  (Pallas for the shapes measured faster,
+                                  ``pallas_kernels.dispatch``)
 ``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
 ``fused_quantize``     ``auto``   the COAT norm and SwiGLU forwards as two Pallas passes that
                                   quantize inside the op (``pallas_kernels.fused_quantize``;

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from coat_jax.core.quant import QuantizedArray, dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
-from coat_jax.ops import scaled_gemm, sharding
+from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul, fused_quantize
 
@@ -73,9 +73,11 @@ def fp8_gemm(
     FP8 codes feed ``lax.dot_general`` directly with fp32 accumulation, the pattern that XLA
     rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product and
     the cast to ``out_dtype`` joins the GEMM's epilogue there. Where ``recipe.gemm`` picks
-    Pallas for this shape (:func:`pallas_kernels.dispatch.gemm_backend`) the Pallas wgmma
-    kernel runs instead (:mod:`pallas_kernels.fp8_matmul`; operands moved to K-major first, a
-    copy for each operand whose contracted axis is not its last).
+    Pallas for this shape (:func:`pallas_kernels.dispatch.gemm_backend`; under a mesh, for
+    each device's shard of it) the Pallas wgmma kernel runs instead
+    (:mod:`pallas_kernels.fp8_matmul`, on every shard through
+    :mod:`coat_jax.ops.sharded_gemm`; operands moved to K-major first, a copy for each
+    operand whose contracted axis is not its last).
 
     Args:
       a, b: per-tensor :class:`QuantizedArray` operands.
@@ -89,12 +91,16 @@ def fp8_gemm(
         more rounding to ``out_dtype``. Off, the scales join the fp32 product before the cast.
     """
     ca, cb = contract[0] % a.data.ndim, contract[1] % b.data.ndim
-    k = a.data.shape[ca]
-    m, n = a.data.size // max(k, 1), b.data.size // max(k, 1)
     pallas_out = jnp.dtype(out_dtype) in fp8_matmul.OUT_DTYPES
-    if pallas_out and dispatch.gemm_backend(recipe.gemm, (m, k, n)) == "pallas":
-        return fp8_matmul.fp8_dot_general(a.data, b.data, a.scale * b.scale, (ca, cb), out_dtype,
-                                          autotune=recipe.gemm_autotune)  # fmt: skip
+    if pallas_out and recipe.gemm != "xla":
+        shape = sharded_gemm.local_shape(a.data.shape, b.data.shape, (ca, cb))
+        if dispatch.gemm_backend(recipe.gemm, shape) == "pallas" and (
+            shape is not None or recipe.gemm == "pallas"  # (dot_general says why it cannot)
+        ):
+            return sharded_gemm.dot_general(
+                a.data, b.data, a.scale * b.scale, (ca, cb), out_dtype,
+                autotune=recipe.gemm_autotune, partials_in_out_dtype=partials_in_out_dtype,
+            )  # fmt: skip
     dims = (((ca,), (cb,)), ((), ()))
     product_dtype = out_dtype if partials_in_out_dtype else jnp.float32
     out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=product_dtype)

@@ -82,8 +82,9 @@ class Run:
         made from the parts (its remainders reuse theirs), and the arrays are repacked
         (:func:`~coat_jax.training.parallel.repack`: the freed fp32 weights would leave holes
         the step's temporary buffer cannot use; 13B at batch 4 on one H200 did not run
-        without). The devices never hold more than the fp32 weights plus the optimizer state
-        (Llama-2-7B, BF16 + 16 bits: 41 GB; splitting after the state was made: 68 GB)."""
+        without). Llama-2-7B with 16 bits: the fp32 weights plus one leaf's parts while
+        splitting (27 GB), then the parts and the state (41 GB); splitting after the state was
+        made peaked at 67.9 GB on an H200 (2026-12-02)."""
         shardings = self.placement.params
         if self.config.init_from:
             like = _with_dtype(self.params, jnp.float32)
