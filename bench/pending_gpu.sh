@@ -86,6 +86,17 @@
 # unless XLA_PYTHON_CLIENT_* are exported.
 source "$(dirname "$0")/gpu_env.sh"
 
+train_7b_b1() {  # tag, --config overrides...: Llama-2-7B at batch 1, bf16 gradients, 6 steps;
+  local tag=$1; shift  # the log and metrics land in $OUT/train_llama2_7b_b1_${tag}_h200_$DAY.*
+  rm -rf /tmp/train_7b_b1
+  timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
+    --config.grad_dtype=bfloat16 --config.steps=6 --config.optimizer.warmup_steps=2 \
+    --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+    --config.workdir=/tmp/train_7b_b1 "$@" 2>&1 \
+    | tee "$OUT/train_llama2_7b_b1_${tag}_h200_$DAY.txt" | grep -E "peak|tokens_per_s|Error" | tail -2
+  cp /tmp/train_7b_b1/metrics.jsonl "$OUT/train_llama2_7b_b1_${tag}_h200_$DAY.jsonl" 2>/dev/null
+}
+
 case "${PART:-1}" in
 1)
   echo "== gpu tests: bf16 weight-gradient GEMMs, fused quantize kernels"
@@ -177,15 +188,8 @@ case "${PART:-1}" in
     tests/test_pallas_adam_update.py 2>&1 | tail -4
   for mw in bf16+16 bf16+8; do
     echo "== Llama-2-7B, batch 1, update in the backward pass, master weights $mw on the parts kernel (6 steps)"
-    rm -rf /tmp/p10
-    timeout 170 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
-      --config.optimizer.update_in_backward=True --config.optimizer.master_weights=$mw \
-      --config.optimizer.kernels=pallas --config.grad_dtype=bfloat16 --config.steps=6 \
-      --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
-      --config.checkpoint_interval=0 --config.workdir=/tmp/p10 2>&1 \
-      | tee "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.txt" \
-      | grep -E "peak|tokens_per_s|Error" | tail -2
-    cp /tmp/p10/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_parts_${mw/+/_}_h200_$DAY.jsonl" 2>/dev/null
+    train_7b_b1 "inbwd_parts_${mw/+/_}" --config.optimizer.update_in_backward=True \
+      --config.optimizer.master_weights=$mw --config.optimizer.kernels=pallas
   done
   ;;
 15)
@@ -195,15 +199,8 @@ case "${PART:-1}" in
     2>&1 | grep -E "passed|failed|Error|^E " | head -12
   echo "== Llama-2-7B, batch 1, bf16 gradients, update in the backward pass, BF16 + 8-bit master,"
   echo "   weights requantized in backward (6 steps; create() splits leaf by leaf)"
-  rm -rf /tmp/p15
-  timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
-    --config.optimizer.update_in_backward=True --config.optimizer.master_weights=bf16+8 \
-    --config.fp8.saved_weights=requantize --config.grad_dtype=bfloat16 --config.steps=6 \
-    --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
-    --config.checkpoint_interval=0 --config.workdir=/tmp/p15 2>&1 \
-    | tee "$OUT/train_llama2_7b_b1_inbwd_bf16_8_requant_h200_$DAY.txt" \
-    | grep -E "peak|tokens_per_s|Error" | tail -2
-  cp /tmp/p15/metrics.jsonl "$OUT/train_llama2_7b_b1_inbwd_bf16_8_requant_h200_$DAY.jsonl" 2>/dev/null
+  train_7b_b1 inbwd_bf16_8_requant --config.optimizer.update_in_backward=True \
+    --config.optimizer.master_weights=bf16+8 --config.fp8.saved_weights=requantize
   echo "== Llama-2-7B at batch 4: COAT, COAT with the weights requantized in backward"
   timeout 260 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
     --policies coat+fp8_adamw,coat+fp8_adamw+requantize \
