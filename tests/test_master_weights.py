@@ -281,6 +281,14 @@ def test_split_leaf_by_leaf_frees_each_fp32_array_once_split(bits, monkeypatch):
             np.testing.assert_allclose(got, w, rtol=2.0**-15, atol=0)
 
 
+def test_split_leaf_by_leaf_splits_a_tied_weight_once():
+    w = jax.random.normal(jax.random.key(3), (64, 32))
+    want = master.split(w)
+    hi, remainder = master_weights_module.split_leaf_by_leaf({"a": w, "b": w, "c": w * 2}, 16)
+    assert w.is_deleted() and hi["a"] is hi["b"] and remainder["a"] is remainder["b"]
+    np.testing.assert_array_equal(np.asarray(remainder["b"]), np.asarray(want[1]))
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 def test_create_with_master_weights_splits_the_fp32_init_and_keeps_nothing_else(bits, monkeypatch):
     """``Run.create`` with BF16 master weights: the parameters are the BF16 parts of the fp32

@@ -206,9 +206,9 @@ def _saved_weights(kernels, wqs, recipe: Fp8Recipe):
 def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
     """The FP8 weights backward multiplies by, from :func:`_saved_weights`: the forward's
     codes, requantized with the forward's ``amax`` where only the weights were kept. The
-    requantization waits for the output gradient ``dout`` (an optimization barrier): without
-    it XLA would merge it with the forward's identical quantization (CSE), or schedule it
-    early, and hold the codes from forward to backward again."""
+    requantization waits for the output gradient ``dout`` (an optimization barrier), so that
+    XLA can neither merge it with the forward's identical quantization (CSE) nor run it before
+    backward reaches this layer (what that saves on a GPU: ``docs/results.md``)."""
     if recipe.saved_weights == "fp8":
         return w_saved
     w_saved, _ = jax.lax.optimization_barrier((w_saved, dout))

@@ -83,13 +83,14 @@ def split_leaf_by_leaf(weights, bits: int):
     bits: 27 GB instead of 54). Each part keeps its leaf's sharding. ``weights``' arrays are
     deleted: do not use them afterwards."""
     leaves, treedef = jax.tree.flatten(weights)
-    hi, remainder = [], []
+    parts = {}  # by array: a leaf the tree holds twice (tied weights) is split once
     for i, w in enumerate(leaves):
         leaves[i] = None
-        h, r = _split_leaf(w, bits)
-        w.delete()  # the runtime keeps the buffer until the split has read it
-        hi.append(h)
-        remainder.append(r)
+        if id(w) not in parts:
+            parts[id(w)] = _split_leaf(w, bits)
+            w.delete()  # the runtime keeps the buffer until the split has read it
+        leaves[i] = parts[id(w)]
+    hi, remainder = zip(*leaves, strict=True) if leaves else ((), ())
     return treedef.unflatten(hi), treedef.unflatten(remainder)
 
 
