@@ -248,6 +248,15 @@ def live_bytes():
     return sum(x.nbytes for x in jax.live_arrays())
 
 
+def spy_live_bytes_before_each_split(monkeypatch) -> list:
+    """The devices' live bytes recorded before each leaf's split (``split_leaf_by_leaf``)."""
+    seen = []
+    real = master_weights_module._split_leaf
+    monkeypatch.setattr(master_weights_module, "_split_leaf",
+                        lambda w, b: (seen.append(live_bytes()), real(w, b))[1])  # fmt: skip
+    return seen
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 def test_split_leaf_by_leaf_frees_each_fp32_array_once_split(bits, monkeypatch):
     """The devices never hold the fp32 tree and all its parts together: before each leaf's
@@ -261,10 +270,7 @@ def test_split_leaf_by_leaf_frees_each_fp32_array_once_split(bits, monkeypatch):
     want = {k: np.array(w) for k, w in weights.items()}  # (device_get copies on the CPU)
     total = sum(w.nbytes for w in jax.tree.leaves(weights))
     largest = max(w.nbytes for w in jax.tree.leaves(weights))
-    seen = []
-    real = master_weights_module._split_leaf
-    monkeypatch.setattr(master_weights_module, "_split_leaf",
-                        lambda w, b: (seen.append(live_bytes()), real(w, b))[1])  # fmt: skip
+    seen = spy_live_bytes_before_each_split(monkeypatch)
     old = jax.tree.leaves(weights)
     hi, remainder = master_weights_module.split_leaf_by_leaf(weights, bits)
     del weights
@@ -297,10 +303,7 @@ def test_create_with_master_weights_splits_the_fp32_init_and_keeps_nothing_else(
     the devices."""
     run = tiny_run(**{"optimizer.master_weights": f"bf16+{bits}"})
     before = {id(x) for x in jax.live_arrays()}
-    seen = []
-    real = master_weights_module._split_leaf
-    monkeypatch.setattr(master_weights_module, "_split_leaf",
-                        lambda w, b: (seen.append(live_bytes()), real(w, b))[1])  # fmt: skip
+    seen = spy_live_bytes_before_each_split(monkeypatch)
     baseline = live_bytes()
     params, opt_state = run.create()
     fp32 = 4 * sum(x.size for x in jax.tree.leaves(params))

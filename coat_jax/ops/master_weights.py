@@ -85,7 +85,6 @@ def split_leaf_by_leaf(weights, bits: int):
     leaves, treedef = jax.tree.flatten(weights)
     parts = {}  # by array: a leaf the tree holds twice (tied weights) is split once
     for i, w in enumerate(leaves):
-        leaves[i] = None
         if id(w) not in parts:
             parts[id(w)] = _split_leaf(w, bits)
             w.delete()  # the runtime keeps the buffer until the split has read it
