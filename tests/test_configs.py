@@ -74,6 +74,7 @@ def test_fp8_keys_make_the_models_recipe():
         ("fp8.fused_quantize", "triton", "config.fp8: Fp8Recipe.fused_quantize='triton'"),
         ("optimizer.master_weights", "fp16", "config.optimizer.master_weights='fp16'"),
         ("model.loss_chunk", -1, "LlamaConfig.loss_chunk must be an int >= 0"),
+        ("model.recompute_attention", None, "LlamaConfig.recompute_attention must be a bool"),
     ],
 )
 def test_bad_values_name_their_key(key, value, match):

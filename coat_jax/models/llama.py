@@ -54,6 +54,10 @@ class LlamaConfig:
         chunked cross-entropy (:func:`loss_fn`; :mod:`coat_jax.ops.loss`): the step never holds
         more than ``batch x loss_chunk`` fp32 logits and their gradient. Same loss up to the
         order of fp32 sums.
+      recompute_attention: backward recomputes each block's pre-norm, q/k/v projections, RoPE
+        and attention from the block input instead of saving q, k, v (:mod:`coat_jax.models.nn`):
+        the same gradients, ~30% less saved activations with COAT on Llama-2-7B, about a tenth
+        more block FLOPs.
     """
 
     vocab_size: int = 32000
@@ -76,6 +80,7 @@ class LlamaConfig:
     fp8: Fp8Recipe = Fp8Recipe()
     matmul_precision: str | None = None
     loss_chunk: int = 0
+    recompute_attention: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim"):
@@ -101,6 +106,10 @@ class LlamaConfig:
         chunk = self.loss_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"LlamaConfig.loss_chunk must be an int >= 0, got {chunk!r}")
+        if not isinstance(self.recompute_attention, bool):
+            raise ValueError(
+                f"LlamaConfig.recompute_attention must be a bool, got {self.recompute_attention!r}"
+            )
         self.rope()  # raises on bad scaling factors
         get_policy(self.precision)  # raises on an unknown name
         if self.matmul_precision is not None:
@@ -208,6 +217,7 @@ def make_block(config: LlamaConfig, policy, param_dtype, rngs: nnx.Rngs) -> Bloc
         norm_eps=config.norm_eps,
         norm=config.norm,
         clip_qkv=config.clip_qkv,
+        recompute_attention=config.recompute_attention,
         param_dtype=param_dtype,
         rngs=rngs,
     )

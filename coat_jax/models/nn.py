@@ -3,6 +3,15 @@ for the precision-sensitive ops, so one code path serves BF16, FP8-linear and CO
 is RMSNorm with a weight (``norm="rms"``, Llama) or LayerNorm without weight or bias
 (``norm="layer"``, OLMo v1); ``clip_qkv`` clamps the query, key and value projections (OLMo).
 
+``recompute_attention`` trades compute for activation memory in the attention branch: its
+pre-norm, q/k/v projections, RoPE and attention run under ``jax.checkpoint``, so backward keeps
+only the block input ``x`` (BF16, ``2 d`` bytes a token) instead of the norm's saved copy, q, k
+and v (and on a GPU cuDNN's output and softmax statistics): ``(2 d + 4 d_kv) x 2`` bytes a
+token less beyond the norm copy (Llama-2-7B: ~30 KB a token a layer, ~1.9 GB a 2048-token
+sequence). Backward runs those ops forward once more (one q/k/v projection and one attention
+forward a layer, about a tenth of the block's FLOPs); the recomputed values equal the forward's
+bit for bit, so gradients do not change.
+
 Parameters are stored in ``param_dtype`` (fp32 master weights by default) and annotated with
 logical axis names (metadata ``logical_axes``) that :mod:`coat_jax.ops.sharding` maps to a mesh:
 
@@ -66,6 +75,7 @@ class Attention(nnx.Module):
         norm_eps: float = 1e-5,
         norm: str = "rms",
         clip_qkv: float | None = None,
+        recompute: bool = False,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -77,6 +87,7 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.policy, self.rope_theta, self.norm_eps = policy, rope_theta, norm_eps
         self.rope_scaling, self.norm_kind, self.clip_qkv = rope_scaling, norm, clip_qkv
+        self.recompute = recompute
         kv = n_kv_heads * self.head_dim
         self.norm = _norm_weight(norm, dim, param_dtype)
         self.wq = _dense(rngs, dim, dim, ("embed", "q_heads"), param_dtype)
@@ -84,10 +95,20 @@ class Attention(nnx.Module):
         self.wv = _dense(rngs, dim, kv, ("embed", "kv_heads"), param_dtype)
         self.wo = _dense(rngs, dim, dim, ("q_heads", "embed"), param_dtype)
 
+    def _weights(self):
+        """The pre-norm's scale (``None`` without one) and the q, k, v kernels, as arrays."""
+        scale = None if self.norm is None else self.norm[...]
+        return scale, (self.wq[...], self.wk[...], self.wv[...])
+
     def _qkv(self, x, positions):
         """Heads ``(B, T, heads, head_dim)`` of the normed ``x``: q and k rotated, v."""
+        return self._heads(x, positions, *self._weights())
+
+    def _heads(self, x, positions, scale, kernels):
+        """:meth:`_qkv` of the arrays it reads (a pure function of its arguments, for
+        ``jax.checkpoint``)."""
         b, t, _ = x.shape
-        q, k, v = _norm_project(self, x, (self.wq, self.wk, self.wv))
+        q, k, v = self.policy.norm_project(x, scale, kernels, self.norm_eps, self.norm_kind)
         if self.clip_qkv is not None:
             q, k, v = (plain.clip(y, self.clip_qkv) for y in (q, k, v))
         rope = lambda y: plain.rope(y, positions, self.rope_theta, self.rope_scaling)
@@ -95,11 +116,14 @@ class Attention(nnx.Module):
         k = rope(k.reshape(b, t, self.n_kv_heads, self.head_dim))
         return q, k, v.reshape(b, t, self.n_kv_heads, self.head_dim)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def _attend(self, x, positions, scale, kernels):
+        """Attention of ``x``'s heads before the output projection: ``(B, T, heads x head_dim)``."""
         b, t, _ = x.shape
-        q, k, v = self._qkv(x, positions)
-        o = plain.attention(q, k, v).reshape(b, t, -1)
-        return self.policy.project(o, self.wo[...])
+        return plain.attention(*self._heads(x, positions, scale, kernels)).reshape(b, t, -1)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        attend = jax.checkpoint(self._attend) if self.recompute else self._attend
+        return self.policy.project(attend(x, positions, *self._weights()), self.wo[...])
 
     def decode(self, x, k_cache, v_cache, length, start):
         """The branch for tokens in cache slots ``length ..`` (``x (B, T, dim)``), their keys and
@@ -158,6 +182,7 @@ class Block(nnx.Module):
         norm_eps: float = 1e-5,
         norm: str = "rms",
         clip_qkv: float | None = None,
+        recompute_attention: bool = False,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -171,6 +196,7 @@ class Block(nnx.Module):
             norm_eps=norm_eps,
             norm=norm,
             clip_qkv=clip_qkv,
+            recompute=recompute_attention,
             param_dtype=param_dtype,
             rngs=rngs,
         )

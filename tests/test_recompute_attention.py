@@ -1,0 +1,81 @@
+"""``LlamaConfig.recompute_attention``: backward recomputes the attention branch's pre-norm,
+q/k/v projections, RoPE and attention from the block input, so it saves fewer activations and
+the gradients do not change."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coat_jax.models import nn
+from coat_jax.models.policy import get_policy
+from tests.tiny import tiny_run
+from tests.tiny import train as tiny_train
+
+B, T, DIM, HEADS, KV_HEADS, FFN = 2, 64, 128, 4, 2, 352
+
+
+def _block(policy: str, recompute: bool, seed: int):
+    """A block's graph and parameters, an input, its positions, and the block's loss."""
+    block = nn.Block(DIM, HEADS, KV_HEADS, FFN, policy=get_policy(policy),
+                     recompute_attention=recompute, rngs=nnx.Rngs(seed))  # fmt: skip
+    graph, params = nnx.split(block)
+    dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
+    x = jax.random.normal(jax.random.key(seed + 1), (B, T, DIM), dtype)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def loss(x, params):
+        out = nnx.merge(graph, params)(x, positions).astype(jnp.float32)
+        return jnp.sum(out * jnp.cos(out))  # a cotangent that is not all ones
+
+    return x, params, loss
+
+
+def _saved_activation_bytes(loss, x, params) -> int:
+    """Bytes of the residuals of ``loss``'s VJP shaped ``(B, T, ...)``: the activations saved."""
+    residuals = jax.eval_shape(lambda x, p: jax.vjp(loss, x, p)[1], x, params)
+    unique = {id(r): r for r in jax.tree.leaves(residuals)}.values()
+    return sum(r.size * r.dtype.itemsize for r in unique if r.shape[:2] == (B, T))
+
+
+@pytest.mark.parametrize("policy", ["coat", "fp8_linear", "bf16", "fp32"])
+def test_recomputed_attention_gives_the_same_gradients_and_saves_less(policy):
+    seed = int(np.random.default_rng().integers(1000))
+    grads, saved = [], []
+    for recompute in (False, True):
+        x, params, loss = _block(policy, recompute, seed)
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, params))
+        saved.append(_saved_activation_bytes(loss, x, params))
+    for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert saved[1] < saved[0], saved
+
+
+def test_coat_saves_the_block_input_instead_of_q_k_v_and_the_norms_copy():
+    """Per token, COAT saves ``q, k, v`` in BF16 and the pre-norm's input as FP8 1x16 groups
+    with an fp32 scale each; recomputing saves the BF16 block input instead (the CPU's
+    attention saves only q, k, v; cuDNN's also its output and softmax statistics)."""
+    x, params, loss = _block("coat", False, 0)
+    x, params_rc, loss_rc = _block("coat", True, 0)
+    kv = DIM // HEADS * KV_HEADS
+    qkv = (DIM + 2 * kv) * 2
+    norm_copy = DIM + DIM // 16 * 4
+    drop = _saved_activation_bytes(loss, x, params) - _saved_activation_bytes(loss_rc, x, params_rc)
+    assert drop == B * T * (qkv + norm_copy - DIM * 2)
+
+
+@pytest.mark.slow
+def test_the_trainer_steps_bit_identically_with_recomputed_attention():
+    """llama_tiny, COAT, 3 steps: losses and weights equal the default's bit for bit, with fp32
+    master weights and with every memory option (the update in the backward pass, BF16 + 8-bit
+    master weights, requantized weights)."""
+    memory = {"optimizer.update_in_backward": True, "optimizer.master_weights": "bf16+8",
+              "fp8.saved_weights": "requantize"}  # fmt: skip
+    for options in ({}, memory):
+        runs = [tiny_train(tiny_run(**options, **{"model.recompute_attention": rc}), 3)
+                for rc in (False, True)]  # fmt: skip
+        (p0, _, m0), (p1, _, m1) = runs
+        assert [float(m["loss"]) for m in m0] == [float(m["loss"]) for m in m1]
+        for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
