@@ -203,16 +203,25 @@ def _saved_weights(kernels, wqs, recipe: Fp8Recipe):
     return tuple((w, wq.amax) for w, wq in zip(kernels, wqs, strict=True))
 
 
+def _in_backward(saved, dout):
+    """``saved`` (residuals) as backward reads them: behind an optimization barrier with the
+    output gradient ``dout``. What backward computes from them then can neither be merged with
+    the forward's identical computation (XLA's CSE) nor run before backward reaches this layer.
+    Without it XLA merged backward's dequantization of the saved FP8 groups with the forward's
+    and kept the forward's BF16 result from forward to backward in place of the FP8 codes:
+    1.25 -> 2 bytes an element of every saved group (Llama-2-7B on an H200: ~1.5 GB a 2048-token
+    sequence; ``docs/results.md``)."""
+    saved, _ = jax.lax.optimization_barrier((saved, dout))
+    return saved
+
+
 def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
     """The FP8 weights backward multiplies by, from :func:`_saved_weights`: the forward's
-    codes, requantized with the forward's ``amax`` where only the weights were kept. The
-    requantization waits for the output gradient ``dout`` (an optimization barrier), so that
-    XLA can neither merge it with the forward's identical quantization (CSE) nor run it before
-    backward reaches this layer (what that saves on a GPU: ``docs/results.md``)."""
+    codes, requantized with the forward's ``amax`` where only the weights were kept (after the
+    output gradient ``dout``: :func:`_in_backward`)."""
     if recipe.saved_weights == "fp8":
         return w_saved
-    w_saved, _ = jax.lax.optimization_barrier((w_saved, dout))
-    return tuple(quantize(w, recipe.forward, amax=amax) for w, amax in w_saved)
+    return tuple(quantize(w, recipe.forward, amax=amax) for w, amax in _in_backward(w_saved, dout))
 
 
 def _fused_mode(recipe: Fp8Recipe) -> str | None:
@@ -395,6 +404,7 @@ def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
 def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts):
     xg, norm_scale, y_amax, w_saved = residuals
     dtype = douts[0].dtype
+    xg = _in_backward(xg, douts)
     norm = lambda a, s: norm_fp32(a, s, eps, kind).astype(dtype)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = _backward_x(y, y_amax, recipe)
@@ -447,6 +457,7 @@ def _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel):
 def _fp8_swiglu_project_bwd(w_dtype, recipe, residuals, dout):
     gq, uq, h_amax, w_saved = residuals
     dtype = dout.dtype
+    gq, uq = _in_backward((gq, uq), dout)
     swiglu = lambda g, u: swiglu_fp32(g, u).astype(dtype)
     h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
     hq = _backward_x(h, h_amax, recipe)
