@@ -2,14 +2,14 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=16 (~6 min:
-# the split fix's GPU test and the skip flag's, then what the compiled 7B step holds with and
-# without fp8.saved_weights=requantize, side by side), PART=14 (~9 min: where the 7B step's
-# time goes with cuBLASLt and with Pallas GEMMs: on 2026-12-02 the Pallas step was 4% slower
-# while the block took 9% less time), SEEDS=1 RUNS="coat+fp8_adamw;coat+fp8_adamw, bf16
-# gradients, bf16+8 master" PART=6 (~5 min), PART=9 (~6 min: 114M throughput), then PART=7
-# RECIPE=fine and RECIPE=default (~9 min each) when a session has room. When nvidia-h200-x2 is
-# lent: the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=18 (~8 min:
+# COAT's default 7B step at its largest batch after the 12-02 dequantization barrier, through
+# train.py's own search: was 12 before it), PART=11 (~7 min: one 7B block per policy, the
+# saved activations and ms after the barrier), PART=14 (~9 min: where the 7B step's time goes
+# with cuBLASLt and with Pallas GEMMs), PART=16 (~6 min: the compiled 7B step with and without
+# fp8.saved_weights=requantize), PART=9 (~6 min: 114M throughput), then PART=7 RECIPE=fine and
+# RECIPE=default (~9 min each) when a session has room. When nvidia-h200-x2 is lent: the
+# Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8
 # --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
@@ -78,6 +78,13 @@
 #                                      GPU; then the compiled 7B step's peak buffers with
 #                                      fp8.saved_weights fp8 / requantize (batch 1 in the
 #                                      backward pass on BF16 + 8-bit; batch 4 on fp32 master)
+#   PART=17 bash bench/pending_gpu.sh  issue 18: Llama-2-7B with every memory option and the
+#                                      attention recomputed: the compiled step at batch 2 and
+#                                      PROBE (24), then train.py at the largest batch on the
+#                                      line through the two totals (2026-12-02: batch 32)
+#   PART=18 bash bench/pending_gpu.sh  COAT's default 7B step through train.py at the largest
+#                                      batch its planner finds (batch_size=-1; 12 before the
+#                                      dequantization barrier), 6 steps
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -86,15 +93,16 @@
 # unless XLA_PYTHON_CLIENT_* are exported.
 source "$(dirname "$0")/gpu_env.sh"
 
-train_7b_b1() {  # tag, --config overrides...: Llama-2-7B at batch 1, bf16 gradients, 6 steps;
-  local tag=$1; shift  # the log and metrics land in $OUT/train_llama2_7b_b1_${tag}_h200_$DAY.*
-  rm -rf /tmp/train_7b_b1
-  timeout 200 $PY train.py --config configs/llama2_7b.py --config.batch_size=1 \
+train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6 steps; the log
+  local batch=$1 tag=$2; shift 2  # and metrics land in $OUT/train_llama2_7b_b${batch}_${tag}_h200_$DAY.*
+  local name="train_llama2_7b_b${batch}_${tag}_h200_$DAY"
+  rm -rf /tmp/train_7b
+  timeout "${TRAIN_TIMEOUT:-200}" $PY train.py --config configs/llama2_7b.py --config.batch_size=$batch \
     --config.grad_dtype=bfloat16 --config.steps=6 --config.optimizer.warmup_steps=2 \
     --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-    --config.workdir=/tmp/train_7b_b1 "$@" 2>&1 \
-    | tee "$OUT/train_llama2_7b_b1_${tag}_h200_$DAY.txt" | grep -E "peak|tokens_per_s|Error" | tail -2
-  cp /tmp/train_7b_b1/metrics.jsonl "$OUT/train_llama2_7b_b1_${tag}_h200_$DAY.jsonl" 2>/dev/null
+    --config.workdir=/tmp/train_7b "$@" 2>&1 \
+    | tee "$OUT/$name.txt" | grep -E "peak|tokens_per_s|Error" | tail -2
+  cp /tmp/train_7b/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
 }
 
 case "${PART:-1}" in
@@ -188,7 +196,7 @@ case "${PART:-1}" in
     tests/test_pallas_adam_update.py 2>&1 | tail -4
   for mw in bf16+16 bf16+8; do
     echo "== Llama-2-7B, batch 1, update in the backward pass, master weights $mw on the parts kernel (6 steps)"
-    train_7b_b1 "inbwd_parts_${mw/+/_}" --config.optimizer.update_in_backward=True \
+    train_7b 1 "inbwd_parts_${mw/+/_}" --config.optimizer.update_in_backward=True \
       --config.optimizer.master_weights=$mw --config.optimizer.kernels=pallas
   done
   ;;
@@ -199,7 +207,7 @@ case "${PART:-1}" in
     2>&1 | grep -E "passed|failed|Error|^E " | head -12
   echo "== Llama-2-7B, batch 1, bf16 gradients, update in the backward pass, BF16 + 8-bit master,"
   echo "   weights requantized in backward (6 steps; create() splits leaf by leaf)"
-  train_7b_b1 inbwd_bf16_8_requant --config.optimizer.update_in_backward=True \
+  train_7b 1 inbwd_bf16_8_requant --config.optimizer.update_in_backward=True \
     --config.optimizer.master_weights=bf16+8 --config.fp8.saved_weights=requantize
   echo "== Llama-2-7B at batch 4: COAT, COAT with the weights requantized in backward"
   timeout 260 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
@@ -223,6 +231,31 @@ case "${PART:-1}" in
     timeout 110 $PY bench/peak_buffers.py --set batch_size=4 --set fp8.saved_weights=$s \
       --json "$OUT/peak_llama2_7b_b4_${s}_h200_$DAY.json" 2>&1 | grep -v -i warn | head -12
   done
+  ;;
+17)
+  MEMORY=(optimizer.update_in_backward=True optimizer.master_weights=bf16+8
+          fp8.saved_weights=requantize model.loss_chunk=512 model.recompute_attention=True)
+  probe=${PROBE:-24}
+  for b in 2 $probe; do
+    echo "== Llama-2-7B compiled step, batch $b, bf16 gradients, every memory option: ${MEMORY[*]}"
+    timeout 150 $PY bench/peak_buffers.py --set batch_size=$b --set grad_dtype=bfloat16 \
+      "${MEMORY[@]/#/--set=}" --json "$OUT/peak_llama2_7b_b${b}_memory_options_h200_$DAY.json" \
+      2>&1 | grep -v -i warn | head -14
+  done
+  # the largest batch on the line through the two compiled totals, under train.py's limit
+  # (preallocate 0.95 of the H200: 132.8 GiB, bench/results/trainer_llama2_7b_h200_2026-12-01)
+  # less the planner's margin
+  batch=$($PY -c "import json,sys; t=[json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)]; room=132.8*2**30-2**28; print(2+int((room-t[0])//((t[1]-t[0])/($probe-2))))")
+  echo "== Llama-2-7B through train.py at batch $batch (the line's largest), every memory option"
+  TRAIN_TIMEOUT=260 train_7b "$batch" memory_options "${MEMORY[@]/#/--config.}"
+  ;;
+18)
+  echo "== Llama-2-7B, COAT's default step, through train.py at the planner's largest batch"
+  rm -rf /tmp/train_7b_largest
+  timeout 560 $PY train.py --config configs/llama2_7b.py --config.batch_size=-1 --config.steps=6 \
+    --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
+    --config.checkpoint_interval=0 --config.workdir=/tmp/train_7b_largest 2>&1 \
+    | tee "$OUT/train_llama2_7b_largest_coat_h200_$DAY.txt" | grep -E "batch|peak|tokens_per_s|Error" | tail -8
   ;;
 12)
   echo "== Llama-2-7B through train.py at batch 4: fp8_linear, COAT (cuBLASLt), COAT + Pallas GEMMs"
