@@ -10,7 +10,8 @@ from flax import nnx
 
 from coat_jax.models import nn
 from coat_jax.models.policy import get_policy
-from tests.tiny import tiny_run
+from coat_jax.training import configs
+from tests.tiny import ROOT, tiny_run
 from tests.tiny import train as tiny_train
 
 B, T, DIM, HEADS, KV_HEADS, FFN = 2, 64, 128, 4, 2, 352
@@ -79,3 +80,19 @@ def test_the_trainer_steps_bit_identically_with_recomputed_attention():
         assert [float(m["loss"]) for m in m0] == [float(m["loss"]) for m in m1]
         for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_resumes_with_the_attention_recomputed():
+    """The option changes no saved state: a checkpoint from before it (no key) resumes with
+    nothing reported, and switching it on is reported as a change, not refused; a model shape
+    key still is."""
+    config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"), {})
+    saved = config.to_dict()
+    del saved["model"]["recompute_attention"]
+    assert configs.resume_changes(saved, config) == ([], [])
+    config.model.recompute_attention = True
+    assert configs.resume_changes(saved, config) == (
+        [], ["model.recompute_attention: False -> True"])  # fmt: skip
+    config.model.n_layers += 1
+    refused, _ = configs.resume_changes(saved, config)
+    assert [line.split(":")[0] for line in refused] == ["model.n_layers"]

@@ -174,6 +174,10 @@ def base_config() -> ml_collections.ConfigDict:
 STATE_KEYS = ("model.", "optimizer.name", "optimizer.mu_format", "optimizer.nu_format",
               "optimizer.expansion", "optimizer.group_size", "optimizer.min_size",
               "optimizer.master_weights", "optimizer.update_in_backward")  # fmt: skip
+# Model keys that change how the step computes but not the state: a resume may change them
+# (reported as changed), e.g. to fit a larger batch.
+COMPUTE_ONLY_MODEL_KEYS = ("model.loss_chunk", "model.recompute_attention",
+                           "model.matmul_precision")  # fmt: skip
 # Keys that steer a run but not what it computes: never reported on resume.
 RUN_CONTROL_KEYS = ("resume", "resume_step", "workdir", "progress", "log_interval", "eval_interval",
                     "eval_batches", "checkpoint_interval", "keep_checkpoints", "compile_cache_dir",
@@ -208,8 +212,9 @@ def resume_changes(saved: dict, c: ml_collections.ConfigDict) -> tuple[list[str]
             continue
         line = f"{key}: {a!r} -> {b!r}"
         clip_switched = key == "optimizer.grad_clip" and (a == 0) != (b == 0)
-        if clip_switched or any(key == k or (k.endswith(".") and key.startswith(k))
-                                for k in STATE_KEYS):  # fmt: skip
+        state_key = key not in COMPUTE_ONLY_MODEL_KEYS and any(
+            key == k or (k.endswith(".") and key.startswith(k)) for k in STATE_KEYS)
+        if clip_switched or state_key:
             refused.append(line)
         else:
             changed.append(line)
