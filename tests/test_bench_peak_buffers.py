@@ -53,3 +53,5 @@ def test_a_tiny_steps_peak_is_named_buffer_by_buffer(tmp_path):
     assert len(report["largest"]) == 5 and all(r["opcode"] != "?" for r in report["largest"])
     assert report["largest"][0]["bytes"] >= report["largest"][-1]["bytes"]
     assert any(kind.startswith("argument") for kind in report["by_kind"])
+    short = report["peak_bytes"] < peak_buffers.LIVE_RANGE_TRUST * analysis["total"]
+    assert report["live_range_peak_short"] is short
