@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import ROOT, tiny_run
+from tiny import train as tiny_train
 
 from coat_jax.models import nn
 from coat_jax.models.policy import get_policy
 from coat_jax.training import configs
-from tests.tiny import ROOT, tiny_run
-from tests.tiny import train as tiny_train
 
 B, T, DIM, HEADS, KV_HEADS, FFN = 2, 64, 128, 4, 2, 352
 
