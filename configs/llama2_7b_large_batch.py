@@ -14,6 +14,7 @@ Measured on one H200 (jax 0.11.2, 2026-12-02, train.py's allocator: preallocated
 32 trains at 17,630 tokens/s, MFU 0.76, peak 138.9 GB (compiled step 41.98 GB at batch 2, 3.24
 GB a sequence more); bf16 + adamw's largest batch is 6, COAT's default 12
 (bench/results/train_llama2_7b_b32_memory_options_h200_2026-12-02.*, docs/results.md).
+On another GPU let the planner choose: ``--config.batch_size=-1`` (compiles only, then trains).
 """
 
 from coat_jax.training.configs import pretraining_config
