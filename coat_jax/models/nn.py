@@ -5,12 +5,12 @@ is RMSNorm with a weight (``norm="rms"``, Llama) or LayerNorm without weight or 
 
 ``recompute_attention`` trades compute for activation memory in the attention branch: its
 pre-norm, q/k/v projections, RoPE and attention run under ``jax.checkpoint``, so backward keeps
-only the block input ``x`` (BF16, ``2 d`` bytes a token) instead of the norm's saved copy, q, k
-and v (and on a GPU cuDNN's output and softmax statistics): ``(2 d + 4 d_kv) x 2`` bytes a
-token less beyond the norm copy (Llama-2-7B: ~30 KB a token a layer, ~1.9 GB a 2048-token
-sequence). Backward runs those ops forward once more (one q/k/v projection and one attention
-forward a layer, about a tenth of the block's FLOPs); the recomputed values equal the forward's
-bit for bit, so gradients do not change.
+only the block input ``x`` (BF16, ``2 d`` bytes a token) instead of the norm's saved copy
+(COAT: ``1.25 d``), q, k and v (``2 d + 4 d_kv``) and on a GPU cuDNN's output (``2 d``) and
+softmax statistics: Llama-2-7B with COAT ~30 KB a token a layer less on a GPU (21.5 on the
+CPU's attention), ~1.9 GB a 2048-token sequence. Backward runs those ops forward once more
+(one q/k/v projection and one attention forward a layer, about a tenth of the block's FLOPs);
+the recomputed values equal the forward's bit for bit, so gradients do not change.
 
 Parameters are stored in ``param_dtype`` (fp32 master weights by default) and annotated with
 logical axis names (metadata ``logical_axes``) that :mod:`coat_jax.ops.sharding` maps to a mesh:
