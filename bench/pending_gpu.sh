@@ -242,10 +242,10 @@ case "${PART:-1}" in
       "${MEMORY[@]/#/--set=}" --json "$OUT/peak_llama2_7b_b${b}_memory_options_h200_$DAY.json" \
       2>&1 | grep -v -i warn | head -14
   done
-  # the largest batch on the line through the two compiled totals, under train.py's limit
-  # (preallocate 0.95 of the H200: 132.8 GiB, bench/results/trainer_llama2_7b_h200_2026-12-01)
+  # the largest batch on the planner's line through the two compiled totals, under train.py's
+  # limit (preallocate 0.95 of the H200: 132.8 GiB, bench/results/trainer_llama2_7b_h200_2026-12-01)
   # less the planner's margin
-  batch=$($PY -c "import json,sys; t=[json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)]; room=132.8*2**30-2**28; print(2+int((room-t[0])//((t[1]-t[0])/($probe-2))))")
+  batch=$($PY -c "import json; from coat_jax.training import planner as p; t={b: json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)}; print(p.batch_on_curve(t, 132.8*2**30-p.MARGIN, 1, 2, None))")
   echo "== Llama-2-7B through train.py at batch $batch (the line's largest), every memory option"
   TRAIN_TIMEOUT=260 train_7b "$batch" memory_options "${MEMORY[@]/#/--config.}"
   ;;

@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import ROOT, tiny_run
-from tiny import train as tiny_train
+from tiny import ROOT, assert_trains_identically
 
 from coat_jax.models import nn
 from coat_jax.models.policy import get_policy
-from coat_jax.training import configs
+from coat_jax.training import configs, residuals
 
 B, T, DIM, HEADS, KV_HEADS, FFN = 2, 64, 128, 4, 2, 352
 
@@ -35,9 +34,7 @@ def _block(policy: str, recompute: bool, seed: int):
 
 def _saved_activation_bytes(loss, x, params) -> int:
     """Bytes of the residuals of ``loss``'s VJP shaped ``(B, T, ...)``: the activations saved."""
-    residuals = jax.eval_shape(lambda x, p: jax.vjp(loss, x, p)[1], x, params)
-    unique = {id(r): r for r in jax.tree.leaves(residuals)}.values()
-    return sum(r.size * r.dtype.itemsize for r in unique if r.shape[:2] == (B, T))
+    return residuals.saved_activation_bytes_abstract(loss, x, params, batch_dims=(B, T))
 
 
 @pytest.mark.parametrize("policy", ["coat", "fp8_linear", "bf16", "fp32"])
@@ -74,12 +71,7 @@ def test_the_trainer_steps_bit_identically_with_recomputed_attention():
     memory = {"optimizer.update_in_backward": True, "optimizer.master_weights": "bf16+8",
               "fp8.saved_weights": "requantize"}  # fmt: skip
     for options in ({}, memory):
-        runs = [tiny_train(tiny_run(**options, **{"model.recompute_attention": rc}), 3)
-                for rc in (False, True)]  # fmt: skip
-        (p0, _, m0), (p1, _, m1) = runs
-        assert [float(m["loss"]) for m in m0] == [float(m["loss"]) for m in m1]
-        for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_trains_identically(options, "model.recompute_attention", (False, True))
 
 
 def test_a_run_resumes_with_the_attention_recomputed():

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import tiny_run
-from tiny import train as tiny_train
+from tiny import assert_trains_identically
 
 from coat_jax.models.llama import Llama
 from coat_jax.training import configs
@@ -68,13 +67,8 @@ def test_requantized_weights_train_bit_identically():
     """``fp8.saved_weights=requantize`` through the trainer's step (llama_tiny, COAT, 3 steps,
     fp32 and BF16 master weights): losses and weights equal the default's bit for bit."""
     for master in ("fp32", "bf16+16"):
-        runs = [tiny_train(tiny_run(**{"fp8.saved_weights": saved,
-                                       "optimizer.master_weights": master}), 3)
-                for saved in ("fp8", "requantize")]  # fmt: skip
-        (p0, _, m0), (p1, _, m1) = runs
-        assert [float(m["loss"]) for m in m0] == [float(m["loss"]) for m in m1]
-        for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_trains_identically({"optimizer.master_weights": master}, "fp8.saved_weights",
+                                  ("fp8", "requantize"))  # fmt: skip
 
 
 @pytest.mark.slow
