@@ -18,11 +18,14 @@ Layout: arrays are viewed in HBM as ``(n_groups, G)`` (a free reshape), a tile i
 ``(block_rows, G)``, one group per tile row, so the group reductions are row reductions. The
 per-group math is the reference's own (``coat_jax.core.quant.encode`` / ``decode`` and
 ``coat_jax.core.adam``), traced here: kernel and reference cannot drift apart. On the GPU
-``approx_log`` computes ``log`` with ``lg2.approx.f32`` (one MUFU op, relative error < 2^-22).
+``approx_math`` takes the expansion's per-element ``log`` and ``exp2`` from ``lg2.approx.f32``
+(times ln 2) and ``ex2.approx.f32``, and the Adam direction's square root and division from
+``sqrt.approx`` / ``rcp.approx`` (one MUFU op each, a few ulp) instead of libdevice's and IEEE
+division (:func:`kernel_math`).
 Layouts the kernel does not take (padded groups, a group size that is not a power of two) are
 refused by :func:`supported`; callers run the reference there. Pallas Triton backend;
-``interpret=True`` runs the same body on the CPU (with ``jnp.log``). Design history and
-measurements: docs/pallas-backends.md.
+``interpret=True`` runs the same body on the CPU (with ``jnp.log`` / ``jnp.exp2``). Design
+history and measurements: docs/pallas-backends.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,8 @@ from coat_jax.core.adam import AdamCoefficients
 from coat_jax.core.quant import QuantizedArray, decode, encode
 from pallas_kernels import dispatch
 from pallas_kernels.tiling import pow2_divisor
+
+_LN_2 = 0.6931471805599453
 
 __all__ = [
     "AdamStepTuning",
@@ -61,40 +66,73 @@ class AdamStepTuning:
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining depth (each program handles one tile, so this
         only matters if Triton pipelines the loads; swept anyway).
-      approx_log: on the GPU take ``log`` from ``lg2.approx.f32``; interpret mode always uses
-        ``jnp.log``.
+      approx_math: on the GPU take ``log`` / ``exp2`` from ``lg2.approx.f32`` /
+        ``ex2.approx.f32``; interpret mode always uses ``jnp.log`` / ``jnp.exp2``.
 
-    Defaults: within 3% of the best of 16 tunings for both kernels on an H200
-    (``bench/results/kernel_sweep_adam_*_h200_2026-11-30.json``).
+    Defaults: the fastest full update on a 4096 x 11008 leaf in two of two runs on an H200
+    (0.304 / 0.305 ms against 0.325 / 0.318 for 16 rows;
+    ``bench/results/adam_ablation_h200_2026-12-02*.json``), as in the 2026-11-30 sweep
+    (``kernel_sweep_adam_*_h200_2026-11-30.json``).
     """
 
-    block_rows: int = 16
+    block_rows: int = 8
     num_warps: int = 4
     num_stages: int = 1
-    approx_log: bool = True
+    approx_math: bool = True
 
 
 def tuning_candidates() -> tuple[AdamStepTuning, ...]:
-    """The tunings ``bench/kernel_sweep.py`` times: tile rows x warps x log flavour."""
+    """The tunings ``bench/kernel_sweep.py`` times: tile rows x warps x approximate or
+    libdevice transcendentals."""
     grid = itertools.product((8, 16, 32, 64), (4, 8), (1,), (True, False))
     return tuple(AdamStepTuning(*c) for c in grid)
 
 
-def _approx_log(x):
-    """Natural log via PTX ``lg2.approx.f32`` (handles 0, subnormals, inf and NaN like log)."""
+def _ptx_unary(instruction: str, x):
+    """One PTX ``f32`` instruction (``"lg2.approx.f32"``...) applied elementwise in Triton."""
     (y,) = pl_triton.elementwise_inline_asm(
-        "lg2.approx.f32 $0, $1;",
+        f"{instruction} $0, $1;",
         args=[x.astype(jnp.float32)],
         constraints="=r,r",
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
     )
-    return y * math.log(2.0)
+    return y
 
 
-def log_fn(tuning: AdamStepTuning, interpret: bool):
-    """The ``log`` the kernel body uses: ``jnp.log`` in interpret mode."""
-    return _approx_log if tuning.approx_log and not interpret else jnp.log
+@dataclasses.dataclass(frozen=True)
+class KernelMath:
+    """The per-element functions a kernel body evaluates: the expansion's natural ``log`` and
+    ``exp2`` (``quant.encode`` / ``decode`` keywords, :attr:`expansion`) and the Adam
+    ``direction(m, v, coefficients)``. The defaults are the reference's own."""
+
+    log: Callable = jnp.log
+    exp2: Callable = jnp.exp2
+    direction: Callable = adam.direction
+
+    @property
+    def expansion(self) -> dict:
+        return {"log": self.log, "exp2": self.exp2}
+
+
+def _approx_direction(m, v, c: AdamCoefficients):
+    """:func:`coat_jax.core.adam.direction` with the bias corrections as products with their
+    (per-program) reciprocals and the square root and final division from ``sqrt.approx`` /
+    ``rcp.approx``: 4 instructions an element instead of ~30 for three IEEE divisions and a
+    square root, each within ~2 ulp (``v = inf`` still gives 0, NaN stays NaN)."""
+    denominator = _ptx_unary("sqrt.approx.f32", v * (1.0 / c.bc2) + c.eps_root) + c.eps
+    return (m * (1.0 / c.bc1)) * _ptx_unary("rcp.approx.f32", denominator)
+
+
+def kernel_math(tuning: AdamStepTuning, interpret: bool) -> KernelMath:
+    """On the GPU with ``approx_math``: one MUFU op for each ``log``, ``exp2``, square root and
+    reciprocal (all handle 0, subnormals, inf and NaN as ``jnp``'s do); the reference's
+    functions in interpret mode."""
+    if tuning.approx_math and not interpret:
+        return KernelMath(log=lambda x: _ptx_unary("lg2.approx.f32", x) * _LN_2,
+                          exp2=functools.partial(_ptx_unary, "ex2.approx.f32"),
+                          direction=_approx_direction)  # fmt: skip
+    return KernelMath()
 
 
 def group_rows(mu: QuantizedArray, tuning: AdamStepTuning) -> tuple[int, int, int] | None:
@@ -121,17 +159,19 @@ def supported(mu, nu, tuning: AdamStepTuning = AdamStepTuning()) -> bool:
 
 
 def moment_update(grad, m_state, v_state, coeffs: AdamCoefficients, *, mu_fmt, nu_fmt, expanded,
-                  log):  # fmt: skip
+                  math):  # fmt: skip
     """The shared per-tile math: returns ``(u, (m codes, amax, k), (v codes, amax, k))``.
 
     ``grad`` is fp32 ``(rows, G)``; each state is ``(codes, amax, k code or None)`` with per-row
-    ``amax`` / ``k``; ``coeffs`` the step's :class:`~coat_jax.core.adam.AdamCoefficients`.
+    ``amax`` / ``k``; ``coeffs`` the step's :class:`~coat_jax.core.adam.AdamCoefficients`;
+    ``math`` the :class:`KernelMath` (:func:`kernel_math`).
     """
-    m = decode(*m_state, mu_fmt, log=log)
-    v = adam.loaded_second_moment(decode(*v_state, nu_fmt, log=log))
+    m = decode(*m_state, mu_fmt, **math.expansion)
+    v = adam.loaded_second_moment(decode(*v_state, nu_fmt, **math.expansion))
     m, v = adam.update_moments(grad, m, v, coeffs, g_m=adam.first_moment_gradient(grad))
-    u = adam.direction(m, v, coeffs)
-    return u, encode(m, mu_fmt, expanded, log=log), encode(v, nu_fmt, expanded, log=log)
+    u = math.direction(m, v, coeffs)
+    return (u, encode(m, mu_fmt, expanded, **math.expansion),
+            encode(v, nu_fmt, expanded, **math.expansion))  # fmt: skip
 
 
 def moment_specs(n: int, group: int, br: int, expanded: bool, mu_fmt, nu_fmt):
@@ -229,7 +269,7 @@ def fp8_adam_moments(
 def _call(g, coeffs, *moments, static):
     mu_fmt, nu_fmt, expanded, br, tuning, interpret = static
     n, group = g.shape
-    log = log_fn(tuning, interpret)
+    math = kernel_math(tuning, interpret)
     specs, shapes = moment_specs(n, group, br, expanded, mu_fmt, nu_fmt)
     n_mom = len(specs)
 
@@ -239,7 +279,7 @@ def _call(g, coeffs, *moments, static):
         m_state, v_state = read_moments(ins, expanded)
         u, new_m, new_v = moment_update(
             g_ref[...].astype(jnp.float32), m_state, v_state, coeffs,
-            mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, log=log,
+            mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, math=math,
         )  # fmt: skip
         outs[0][...] = u.astype(outs[0].dtype)
         write_moments(outs[1:], new_m, new_v, expanded)

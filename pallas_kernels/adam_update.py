@@ -28,8 +28,10 @@ updates it as above and writes both parts back (:math:`\theta'` never leaves the
 computes. The whole-tree update, its dispatch between the two and its per-shard runs under a
 mesh are ``coat_jax.ops.fused_update``. Both take the step's scalars as one fp32 vector
 (:func:`update_vector`). A step marked skipped (its ``skip``, a traced flag such as "the loss
-is not finite") writes every input back unchanged, so that a trainer can guard the update
-without keeping a copy of the old state.
+is not finite") returns every input unchanged (the kernel's outputs alias its inputs and a
+skipped program touches neither), so that a trainer can guard the update without keeping a
+copy of the old state. On the GPU the kernel's transcendentals, square root and division are
+one-instruction approximations (``pallas_kernels.adam_step.kernel_math``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def update_vector(coeffs: AdamCoefficients, learning_rate, weight_decay, clip_sc
                   skip=False) -> jax.Array:  # fmt: skip
     """The fp32 vector of one step's scalars that :func:`leaf_kernel` and
     :func:`leaf_reference` read: ``coeffs``, ``-learning_rate``, ``weight_decay``,
-    ``clip_scale``, ``skip`` (a bool, traced or not: 1 writes every input back unchanged),
+    ``clip_scale``, ``skip`` (a bool, traced or not: 1 returns every input unchanged),
     then zeros up to :data:`N_HYPER`."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     rest = [-1 * f32(learning_rate), f32(weight_decay), f32(clip_scale), f32(skip)]
@@ -161,7 +163,7 @@ def _call(*arrays, static):
     weight, (g, hyper), moments = arrays[:k], arrays[k : k + 2], arrays[k + 2 :]
     n, group = weight[0].shape
     bits = master.remainder_bits(weight[1].dtype) if k == 2 else None
-    log = adam_step.log_fn(tuning, interpret)
+    math = adam_step.kernel_math(tuning, interpret)
     specs, shapes = adam_step.moment_specs(n, group, br, expanded, mu_fmt, nu_fmt)
     n_mom = len(specs)
 
@@ -169,20 +171,25 @@ def _call(*arrays, static):
         w_refs, (g_ref, h_ref), ins = refs[:k], refs[k : k + 2], refs[k + 2 : k + 2 + n_mom]
         outs = refs[k + 2 + n_mom :]
         coeffs, neg_lr, wd, clip, skip = _read_vector([h_ref[0, i] for i in range(12)])
-        m_state, v_state = adam_step.read_moments(ins, expanded)
-        u, new_m, new_v = adam_step.moment_update(
-            g_ref[...].astype(jnp.float32) * clip, m_state, v_state, coeffs,
-            mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, log=log,
-        )  # fmt: skip
-        u = u.astype(g.dtype).astype(jnp.float32)  # the chain's u has the gradient's dtype
-        w = tuple(r[...] for r in w_refs)
-        new_p = _step(w[0] if bits is None else master.join(*w), u, neg_lr, wd, decay, g.dtype)
-        # the new weight leaves the chip as its two parts only (BF16 master weights)
-        new_w = (new_p,) if bits is None else master.split_bits(new_p, bits)
-        for ref, value in zip(outs[:k], unless(skip, w, new_w), strict=True):
-            ref[...] = value
-        new_m, new_v = unless(skip, (m_state, v_state), (new_m, new_v))
-        adam_step.write_moments(outs[k:], new_m, new_v, expanded)
+
+        # A skipped step reads and writes nothing: the outputs alias the inputs (XLA copies an
+        # input it cannot donate first), so they already hold the old values.
+        @pl.when(jnp.logical_not(skip))
+        def _():
+            m_state, v_state = adam_step.read_moments(ins, expanded)
+            u, new_m, new_v = adam_step.moment_update(
+                g_ref[...].astype(jnp.float32) * clip, m_state, v_state, coeffs,
+                mu_fmt=mu_fmt, nu_fmt=nu_fmt, expanded=expanded, math=math,
+            )  # fmt: skip
+            u = u.astype(g.dtype).astype(jnp.float32)  # the chain's u has the gradient's dtype
+            w = tuple(r[...] for r in w_refs)
+            new_p = _step(w[0] if bits is None else master.join(*w), u, neg_lr, wd, decay,
+                          g.dtype)  # fmt: skip
+            # the new weight leaves the chip as its two parts only (BF16 master weights)
+            new_w = (new_p,) if bits is None else master.split_bits(new_p, bits)
+            for ref, value in zip(outs[:k], new_w, strict=True):
+                ref[...] = value
+            adam_step.write_moments(outs[k:], new_m, new_v, expanded)
 
     tile = pl.BlockSpec((br, group), lambda i: (i, 0))
     weight_shapes = [jax.ShapeDtypeStruct((n, group), w.dtype) for w in weight]

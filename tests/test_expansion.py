@@ -159,3 +159,13 @@ def test_expansion_uses_the_format_range_on_adam_like_groups():
     normal = codes >= E4M3.smallest_normal
     assert np.max(np.abs(y / v - 1)[normal]) < 1 - (1 - 2.0**-4) ** (1 / k) + 1e-6
     assert np.max(np.abs(y / v - 1)) < 0.25 / k
+
+
+@given(st.floats(float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max), width=32))
+def test_binary_exponent_and_power_of_two_from_bits(x):
+    """decode's per-group shift: floor(log2 x) of a normal fp32 from its bits, 2^e built from
+    bits, both exact (numpy's frexp as the reference)."""
+    e = int(expansion._binary_exponent(jnp.float32(x)))
+    assert e == np.frexp(np.float32(x))[1] - 1
+    if -126 <= -e <= 127:
+        assert float(expansion._power_of_two(jnp.int32(-e))) == 2.0**-e

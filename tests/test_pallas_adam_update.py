@@ -207,13 +207,13 @@ def test_mask_must_be_static_and_wrapper_is_exported():
     assert jax.tree.structure(got) == jax.tree.structure(params)
 
 
-@pytest.mark.parametrize("approx_log", [True, False])
-def test_kernels_lower_to_triton_for_cuda(approx_log):
-    """Without a GPU: both optimizer kernels (inline PTX log included), the update also on BF16
-    master weights' parts (int16 and int8 remainders), lower to Triton IR."""
+@pytest.mark.parametrize("approx_math", [True, False])
+def test_kernels_lower_to_triton_for_cuda(approx_math):
+    """Without a GPU: both optimizer kernels (inline PTX log2 / exp2 included), the update also
+    on BF16 master weights' parts (int16 and int8 remainders), lower to Triton IR."""
     params, grads, state, _ = fresh(jnp.float32, steps=0)
     p, g, (mu, nu) = params["w"], grads["w"], leaf_moments(state, "w")
-    tuning = adam_step.AdamStepTuning(approx_log=approx_log)
+    tuning = adam_step.AdamStepTuning(approx_math=approx_math)
     n, group, br = adam_step.group_rows(mu, tuning)
     moments = adam_step.moment_operands(mu, nu, n, group)
     flat = lambda a: a.reshape(n, group)

@@ -84,12 +84,19 @@ def group_range(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
     return amax, jnp.where(amin < jnp.inf, amin, 0.0)
 
 
-def expansion_exponent(amax: jax.Array, amin: jax.Array, fmt: Fp8Format) -> jax.Array:
-    """``k = floor16(log R / log(amax / amin))`` clamped to ``[K_MIN, K_MAX]`` (fp32)."""
-    log_ratio = jnp.log(amax) - jnp.log(amin)  # no overflow from amax / amin
+def expansion_exponent(amax: jax.Array, amin: jax.Array, fmt: Fp8Format, *,
+                       log=jnp.log) -> jax.Array:  # fmt: skip
+    """``k = floor16(log R / log(amax / amin))`` clamped to ``[K_MIN, K_MAX]`` (fp32).
+
+    ``log`` is the natural logarithm to use (kernels may pass a hardware approximation; the
+    encoder takes ``log amax`` with the same function, so the two are one computation).
+    """
+    log_ratio = log(amax) - log(amin)  # no overflow from amax / amin
     degenerate = (amin <= 0) | ~(log_ratio > 0)  # all-zero, single value, equal values
     safe_log_ratio = jnp.where(degenerate, 1.0, log_ratio)
-    k = jnp.floor(jnp.log(fmt.expansion_target_range) / safe_log_ratio / K_STEP) * K_STEP
+    # (log R / K_STEP) / r rounds as (log R / r) / K_STEP does: K_STEP is a power of two
+    sixteenths = float(np.float32(np.log(fmt.expansion_target_range))) / K_STEP
+    k = jnp.floor(sixteenths / safe_log_ratio) * K_STEP
     k = jnp.where(degenerate, K_MAX, k)
     return jnp.clip(k, K_MIN, K_MAX).astype(jnp.float32)
 
@@ -105,35 +112,36 @@ def decode_k(code: jax.Array) -> jax.Array:
 
 
 def expanded_encode(
-    x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log
+    x: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log, exp2=jnp.exp2
 ) -> jax.Array:
-    """``sign(x) * fmt.max * 2^(k log2(e) ln(|x| / amax))``: expansion and absmax scaling in one.
+    """``sign(x) * fmt.max * 2^(k log2(e) (ln|x| - ln amax))``: expansion and absmax scaling in one.
 
     fp32; ``amax`` and ``k`` broadcast against ``x`` (per-group values shaped ``(..., 1)``, so
-    ``k log2(e)`` is computed per group); groups with ``amax == 0`` map to 0. Per element: one
-    division, one ``log``, one ``exp2``. Ratios below fp32's normal range (a group spanning more
-    than 38 decades) take ``ln |x| - ln amax`` instead, selected per element so that no second
-    logarithm is evaluated. ``log`` is the natural logarithm to use (kernels may pass a
-    hardware approximation).
+    ``ln amax`` and ``k log2(e)`` are computed once a group); groups with ``amax == 0`` map to
+    0. Per element one ``log`` and one ``exp2`` and no division: the ratio ``|x| / amax`` is
+    never formed, so ratios below fp32's normal range (a group spanning more than 38 decades)
+    need no second path. ``|x| == amax`` encodes to exactly ``fmt.max``, 0 to 0 (``ln 0 =
+    -inf``), a non-finite ``x`` to ``+-inf`` (the caller stores it as NaN). No product feeds a
+    sum, so XLA's multiply-add contraction (under jit, not eagerly) cannot change a bit. ``log``
+    (natural) and ``exp2`` are the functions to use per element (kernels pass hardware
+    approximations).
     """
     x = x.astype(jnp.float32)
-    a = jnp.abs(x)
-    amax = jnp.where(amax > 0, amax, 1.0)
-    ratio = a / amax
-    tiny = ratio < _TINY
-    log_ratio = log(jnp.where(tiny, a, ratio)) - jnp.where(tiny, log(amax), 0.0)
-    return jnp.sign(x) * (fmt.max * jnp.exp2(log_ratio * (k * _LOG2_E)))
+    log_ratio = log(jnp.abs(x)) - log(jnp.where(amax > 0, amax, 1.0))
+    magnitude = fmt.max * exp2(log_ratio * (k * _LOG2_E))
+    return jnp.where(x < 0, -magnitude, magnitude)
 
 
 def expanded_decode(
-    q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log
+    q: jax.Array, amax: jax.Array, k: jax.Array, fmt: Fp8Format, *, log=jnp.log, exp2=jnp.exp2
 ) -> jax.Array:
     """Inverse of :func:`expanded_encode`: ``sign(q) * amax * 2^((ln|q| - ln fmax) log2(e) / k)``.
 
-    fp32. Per element one ``log`` and one ``exp2``; ``log2(e) / k``, ``log2 amax`` and the
-    choice below are per group. ``|q| == fmt.max`` decodes to exactly ``amax``. Groups with
-    ``k < 1/4`` (ranges wider than the format, where ``2^t`` could leave fp32's range) move a
-    power of two of ``amax`` inside the power.
+    fp32. Per element one ``log`` and one ``exp2``; ``log2(e) / k`` and the choice below are
+    per group. ``|q| == fmt.max`` decodes to exactly ``amax``. Groups with ``k < 1/4`` (ranges
+    wider than the format, where ``2^t`` could leave fp32's range) move a power of two of
+    ``amax`` inside the power; elsewhere that shift is 0, so a multiply-add contraction of
+    ``t + shift`` cannot change a bit.
     """
     q = q.astype(jnp.float32)
     a = jnp.abs(q)
@@ -143,17 +151,30 @@ def expanded_decode(
     # +-120, when k < 1/4; there 2^t alone may underflow (t down to -285) or 2^(t + log2 amax)
     # overflow (amax near fp32's max). The clip keeps 2^-e clear of fp32's bottom (XLA's exp2
     # returns 0 at 2^-126); the earlier +-100 let 2^(t + e) flush to zero for amax > 2^100
-    # (found by tests/test_quant.py's hypothesis run).
+    # (found by tests/test_quant.py's hypothesis run). e and 2^-e come from amax's bits.
     compress = k < _K_COMPRESS
-    e = jnp.clip(jnp.floor(log(jnp.where(amax > 0, amax, 1.0)) * _LOG2_E), -120.0, 120.0)
-    shift = jnp.where(compress, e, 0.0)
-    mult = jnp.where(compress, amax * jnp.exp2(-e), amax)
-    magnitude = jnp.where(a == fmt.max, amax, jnp.exp2(t + shift) * mult)  # exact at the top
+    e = jnp.clip(_binary_exponent(amax), -120, 120)
+    shift = jnp.where(compress, e.astype(jnp.float32), 0.0)
+    mult = jnp.where(compress, amax * _power_of_two(-e), amax)
+    magnitude = jnp.where(a == fmt.max, amax, exp2(t + shift) * mult)  # exact at the top
     # A nonzero code whose value lands below fp32's normal range (k < 1 groups spanning ~38
     # decades) decodes to the smallest normal (or amax, if smaller), not to a denormal that
     # XLA flushes to 0: found by tests/test_quant.py's hypothesis run ([1.0, 1.86e-38], e4m3).
     floor = jnp.where(a > 0, jnp.minimum(_TINY, amax), 0.0)
-    return jnp.sign(q) * jnp.maximum(magnitude, floor)
+    magnitude = jnp.maximum(magnitude, floor)
+    return jnp.where(q < 0, -magnitude, magnitude)
+
+
+def _binary_exponent(x: jax.Array) -> jax.Array:
+    """``floor(log2 x)`` of a positive normal fp32 ``x`` from its exponent bits (int32; -127
+    for 0 and subnormals)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def _power_of_two(e: jax.Array) -> jax.Array:
+    """``2^e`` (fp32) for an int32 ``e`` in ``[-126, 127]``, built from its bits."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
 def expansion_centre(amax: jax.Array, amin: jax.Array) -> jax.Array:

@@ -219,14 +219,16 @@ def finite_amax(x, axis=None, keepdims: bool = False) -> jax.Array:
     return jnp.max(jnp.where(a < jnp.inf, a, 0.0), axis=axis, keepdims=keepdims)
 
 
-def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None, log=jnp.log):
+def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None,
+           log=jnp.log, exp2=jnp.exp2):  # fmt: skip
     """The scaling math of :func:`quantize` on an array already laid out in groups.
 
     With ``per_group`` the groups run along the last axis, else the whole array is one group.
     Returns ``(codes, amax, k code or None)``. A NaN or +-Inf element is stored as the format's
     NaN code and left out of its group's statistics: it stays non-finite, its neighbours keep
     their precision. The Pallas kernels call this on their tiles, so kernel and reference cannot
-    drift apart (``log``: the natural logarithm the expansion uses).
+    drift apart (``log`` / ``exp2``: the natural log and power of two the expansion takes per
+    element).
     """
     axes = -1 if per_group else tuple(range(x.ndim))
     bcast = (..., None) if per_group else ()
@@ -240,8 +242,8 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
 
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
-        k = expansion.expansion_exponent(amax, amin, fmt)
-        scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt, log=log)
+        k = expansion.expansion_exponent(amax, amin, fmt, log=log)
+        scaled = expansion.expanded_encode(x, amax[bcast], k[bcast], fmt, log=log, exp2=exp2)
         return cast(scaled), amax, expansion.encode_k(k)
     if amax is None:
         amax = finite_amax(x, axis=axes)
@@ -256,13 +258,14 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     return cast((x * pre[bcast]) * factor[bcast]), amax, None
 
 
-def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.log):
+def decode(codes, amax, k, fmt: Fp8Format, *, per_group: bool = True, log=jnp.log,
+           exp2=jnp.exp2):  # fmt: skip
     """The inverse math of :func:`encode` (fp32), on codes laid out in groups."""
     codes = codes.astype(jnp.float32)
     bcast = (..., None) if per_group else ()
     if k is not None:
         k = expansion.decode_k(k)[bcast]
-        return expansion.expanded_decode(codes, amax[bcast], k, fmt, log=log)
+        return expansion.expanded_decode(codes, amax[bcast], k, fmt, log=log, exp2=exp2)
     # As in encode, a group maximum below TINY_AMAX is scaled up by 2^64 and the product back
     # down: under jit XLA folds (codes / fmax) * amax into codes * (amax / fmax), which is
     # subnormal there and flushed to zero (found by tests/test_quant.py's property tests).

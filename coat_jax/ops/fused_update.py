@@ -132,9 +132,10 @@ def fp8_adamw_update(
         (``pallas`` / ``interpret``; ``"auto"``: where measured faster), else each weight is
         rebuilt in fp32 around the fp32 path and split after it.
       skip: a bool (traced or not); where true, parameters and state come back unchanged,
-        the step count included. The kernel writes its inputs back itself, so a trainer's
-        non-finite guard costs no copy of the parameters and state (a select after the
-        update would need the old arrays kept beside the new).
+        the step count included. The kernel then leaves its inputs in place (it updates
+        them in place otherwise), so a trainer's non-finite guard costs no copy of the
+        parameters and state (a select after the update would need the old arrays kept
+        beside the new).
 
     Returns:
       ``(new_params, new_state)``; with ``remainder``, ``(new_params, new_remainder,

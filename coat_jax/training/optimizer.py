@@ -136,8 +136,8 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     products round differently: equal to fp32 rounding, not bitwise); with
     ``update_in_backward`` the previous step's norm from the chain's state, which the update
     advances to this step's. ``update(..., skip=flag)``: where the traced ``flag`` is true,
-    everything comes back unchanged (the kernel writes its inputs back: no copy of the old
-    state is kept for a select).
+    everything comes back unchanged (the kernel's skipped programs touch nothing: no copy
+    of the old state is kept for a select).
     """
     if setup.name != "fp8_adamw" or dispatch.resolve(setup.kernels, "adam_update") == "reference":
         return None
