@@ -86,6 +86,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", default="",
+                        help="comma-separated substrings of the rows to time (optax.adamw, the "
+                             "ratios' base, always runs)")  # fmt: skip
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -115,6 +118,10 @@ def main():
                 fused_master_step("pallas", bits))  # fmt: skip
         optimizers["fused, BF16 + 16-bit remainder (fp32 rebuilt around the Pallas kernel)"] = (
             fused_master_step("auto", 16))  # fmt: skip
+    wanted = [w for w in args.only.split(",") if w]
+    base = "optax.adamw (fp32 m, v)"
+    optimizers = {name: fn for name, fn in optimizers.items()
+                  if name == base or not wanted or any(w in name for w in wanted)}  # fmt: skip
     rows = []
     for name, init_and_step in optimizers.items():
         ms, state_bytes, param_bytes = time_optimizer(init_and_step, make(0.02), grads,

@@ -2,12 +2,10 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=18 (~8 min:
-# COAT's default 7B step at its largest batch after the 12-02 dequantization barrier, through
-# train.py's own search: was 12 before it), PART=11 (~7 min: one 7B block per policy, the
-# saved activations and ms after the barrier), PART=14 (~9 min: where the 7B step's time goes
-# with cuBLASLt and with Pallas GEMMs), PART=16 (~6 min: the compiled 7B step with and without
-# fp8.saved_weights=requantize), PART=9 (~6 min: 114M throughput), then PART=7 RECIPE=fine and
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=14 (~9 min:
+# where the 7B step's time goes with cuBLASLt and with Pallas GEMMs; the 12-02 barrier made
+# coat+pallas_gemm's block 12.82 -> 13.74 ms), PART=16 (~6 min: the compiled 7B step with and
+# without fp8.saved_weights=requantize), PART=9 (~6 min: 114M throughput), then PART=7 RECIPE=fine and
 # RECIPE=default (~9 min each) when a session has room. When nvidia-h200-x2 is lent: the
 # Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8
 # --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
@@ -85,6 +83,12 @@
 #   PART=18 bash bench/pending_gpu.sh  COAT's default 7B step through train.py at the largest
 #                                      batch its planner finds (batch_size=-1; 12 before the
 #                                      dequantization barrier), 6 steps
+#   PART=19 bash bench/pending_gpu.sh  issue 18: the fused update's compiled tests, then where its
+#                                      time goes (bench/adam_ablation.py: tunings, I/O only, no
+#                                      expansion, reciprocal bias corrections), the kernel of
+#                                      BASELINE (a checkout of an earlier commit, if present)
+#                                      timed the same way, then the 1.01B-parameter step beside
+#                                      optax.adamw
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -106,6 +110,23 @@ train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6
 }
 
 case "${PART:-1}" in
+19)
+  echo "== fused optimizer kernels, compiled tests"
+  timeout 200 $PY -m pytest -q -k compiled tests/test_pallas_adam_step.py \
+    tests/test_pallas_adam_update.py 2>&1 | tail -2
+  echo "== the fused update on one 4096x11008 leaf: tunings and ablations"
+  timeout 200 $PY bench/adam_ablation.py --tunings 8x4,16x4,32x8 \
+    --variants "shipped,io only,no expansion,IEEE direction" --json "$OUT/adam_ablation_h200_$DAY.json" \
+    2>&1 | tail -21
+  if [ -d "${BASELINE:-}" ]; then
+    echo "== the same leaf, the kernel of $BASELINE"
+    PYTHONPATH="/tmp/site:$BASELINE" timeout 60 $PY bench/adam_ablation.py --variants shipped \
+      --tunings 8x4,16x4 --json "$OUT/adam_ablation_baseline_h200_$DAY.json" 2>&1 | tail -4
+  fi
+  echo "== optimizer step, 1.01B params, beside optax.adamw"
+  timeout 200 $PY bench/optimizer.py --only "Pallas" \
+    --json "$OUT/optimizer_fused_h200_$DAY.json" 2>&1 | tail -8
+  ;;
 1)
   echo "== gpu tests: bf16 weight-gradient GEMMs, fused quantize kernels"
   timeout 150 $PY -m pytest -q -x -m gpu tests/test_gpu.py tests/test_pallas_fused_quantize.py \
