@@ -45,6 +45,7 @@ import jax
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 FP8_TYPE = re.compile(r"\bf8e\w+\[")
+LAYOUT = re.compile(r"\{[^{}]*\}")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 
 
@@ -88,6 +89,23 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     for name, out_type, opcode, rest in parsed:
         categories[name] = _category(out_type, opcode, rest, types)
     return categories
+
+
+def hlo_signatures(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: signature}``: its category, opcode, fusion kind or custom-call
+    target and output type without layouts (``GEMM (Triton) | fusion __triton_gemm |
+    bf16[8192,4096]``), so that a step's ops sum by what they are rather than by their
+    per-layer names (:func:`summarize`'s ``top_signatures``)."""
+    parsed = _instructions(hlo_text)
+    types = {name: out_type for name, out_type, _, _ in parsed}
+    signatures = {}
+    for name, out_type, opcode, rest in parsed:
+        kind = re.search(r'custom_call_target="([^"]+)"', rest) or re.search(
+            r'"kind":"(\w+)"', rest) or re.search(r"\bkind=(\w+)", rest)  # fmt: skip
+        shape = LAYOUT.sub("", out_type)
+        what = f"{opcode} {kind.group(1)}" if kind else opcode
+        signatures[name] = f"{_category(out_type, opcode, rest, types)} | {what} | {shape}"
+    return signatures
 
 
 def collective_kinds(hlo_text: str) -> dict[str, str]:
@@ -137,8 +155,9 @@ def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> s
             return "Pallas / Triton kernel"
         return "other"
     if opcode == "fusion":
-        if "__triton_gemm" in rest or '"kind":"__triton_gemm"' in rest or "kCustom" in rest:
-            return "GEMM (Triton)"
+        custom = re.search(r'"kind":"(\w+)"', rest)  # a kCustom fusion's emitter
+        if custom and "gemm" in custom.group(1):  # __triton_gemm, __triton_nested_gemm_fusion
+            return "GEMM (Triton)"  # (plain __triton fusions are XLA's Triton reductions)
         if FP8_TYPE.search(out_type):
             return "FP8 quantize (fusion)"
         operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0])
@@ -211,19 +230,25 @@ def _fallback_category(name: str) -> str:
     return "other"
 
 
-def summarize(ops, categories: dict[str, str], steps: int, top: int, kinds=None) -> dict:
+def summarize(ops, categories: dict[str, str], steps: int, top: int, kinds=None,
+              signatures=None) -> dict:  # fmt: skip
     """Per category: ms per step (summed over devices, divided by their number) and share;
-    the ``top`` op names by total time; ms per step of each collective kind (``kinds``, from
+    the ``top`` op names by total time; the ``top`` signatures (:func:`hlo_signatures`) by
+    total time with their ops per step; ms per step of each collective kind (``kinds``, from
     :func:`collective_kinds`). ``categories`` maps HLO names (unknown names fall back to
     kernel-name patterns)."""
     devices = max(len({pid for _, _, pid in ops}), 1)
     per_cat, per_op, per_kind = collections.Counter(), collections.Counter(), collections.Counter()
-    cat_of, kinds = {}, kinds or {}
+    per_sig, sig_count = collections.Counter(), collections.Counter()
+    cat_of, kinds, signatures = {}, kinds or {}, signatures or {}
     for name, us, _ in ops:
         cat = categories.get(name) or _fallback_category(name)
         cat_of[name] = cat
         per_cat[cat] += us
         per_op[name] += us
+        sig = signatures.get(name, f"{cat} | {name}")
+        per_sig[sig] += us
+        sig_count[sig] += 1
         if cat == "communication":
             per_kind[_collective_kind(name, kinds)] += us
     total = sum(per_cat.values())
@@ -238,6 +263,11 @@ def summarize(ops, categories: dict[str, str], steps: int, top: int, kinds=None)
         "top_ops": [
             {"name": n, "category": cat_of[n], "ms_per_step": us * scale}
             for n, us in per_op.most_common(top)
+        ],  # fmt: skip
+        "top_signatures": [
+            {"signature": sig, "ops_per_step": sig_count[sig] / (steps * devices),
+             "ms_per_step": us * scale}
+            for sig, us in per_sig.most_common(top)
         ],  # fmt: skip
         "communication_ms_per_step": {k: us * scale for k, us in per_kind.most_common()},
     }
@@ -280,6 +310,7 @@ def main(argv=None):
         print(f"compiled in {result['compile_s']:.0f} s", flush=True)
         hlo = compiled.as_text()
         categories, kinds = hlo_categories(hlo), collective_kinds(hlo)
+        signatures = hlo_signatures(hlo)
         step = lambda carry: compiled(carry[0], carry[1], batch)
         carry = (params, opt_state, None)
         for _ in range(args.warmup):  # untimed, outside the trace
@@ -297,7 +328,7 @@ def main(argv=None):
     ops, layout = device_ops(_load_trace(args.trace_dir))
     result["trace_layout"] = layout
     result["hlo_instructions"] = len(categories)
-    result.update(summarize(ops, categories, args.steps, args.top, kinds))
+    result.update(summarize(ops, categories, args.steps, args.top, kinds, signatures))
 
     print(f"\n{result['device']} x {result['devices']}, mesh {result['mesh']}, "
           f"{result['params'] / 1e6:.0f}M params, {' '.join(args.set)}")  # fmt: skip
@@ -317,8 +348,11 @@ def main(argv=None):
             print("\n| collective | ms / step |\n|---|---|")
             for kind, ms in result["communication_ms_per_step"].items():
                 print(f"| {kind} | {ms:.2f} |")
+        print("\n| op signature (category, op, output) | ops / step | ms / step |\n|---|---|---|")
+        for sig in result["top_signatures"]:
+            print(f"| {sig['signature']} | {sig['ops_per_step']:g} | {sig['ms_per_step']:.2f} |")
         print("\n| top op | category | ms / step |\n|---|---|---|")
-        for op in result["top_ops"]:
+        for op in result["top_ops"][:5]:
             print(f"| {op['name']} | {op['category']} | {op['ms_per_step']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:

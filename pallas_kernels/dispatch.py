@@ -118,8 +118,12 @@ def check_compiled(interpret: bool, who: str) -> None:
 
 GEMM_AUTO_USES_KERNEL = False
 """Whether the ``"auto"`` GEMM backend picks the Pallas per-tensor FP8 GEMM
-(pallas_kernels/fp8_matmul.py) for shapes missing from :data:`GEMM_PALLAS_FASTER`: not yet
-measured against XLA's cuBLASLt FP8 in a whole step."""
+(pallas_kernels/fp8_matmul.py) for shapes missing from :data:`GEMM_PALLAS_FASTER`. Measured in a
+whole step (Llama-2-7B COAT, batch 4, H200, 2026-12-02,
+bench/results/profile_llama2_7b_coat_b4_gemm_{xla,auto}_sig_h200_2026-12-02.json): the Pallas
+GEMMs took 232.5 ms a step against cuBLASLt's 225.6 for the same GEMMs, and the K-major operand
+copies they need added ~56 ms of fusions (513 -> 566 ms on the device); ``"auto"`` is therefore
+not the trainer's default (``Fp8Recipe.gemm="xla"``)."""
 
 GEMM_PALLAS_FASTER: dict[tuple[int, int, int], bool] = {
     # H200, jax 0.11.2, bench/gemm.py (bench/results/gemm_h200_2026-11-30*.json), TFLOP/s of

@@ -32,6 +32,7 @@ ENTRY %main (a: f32[64,128], w: f8e4m3fn[128,256]) -> bf16[64,256] {
   %all-reduce.5 = (f32[], f32[]) all-reduce(%x, %y), to_apply=%add
   %fusion.6 = f32[64]{0} fusion(%a), kind=kInput, calls=%reduce_it
   %triton_gemm.7 = bf16[64,256]{1,0} fusion(%a, %a), kind=kCustom, calls=%g, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %triton_red.11 = f32[64]{0} fusion(%a), kind=kCustom, calls=%r, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   %fmha.8 = (bf16[2,8,64,64]{3,2,1,0}, u8[0]{0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
   %mosaic.9 = f32[8]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
   ROOT %copy.10 = f32[128,64]{0,1} copy(%a)
@@ -48,10 +49,28 @@ def test_hlo_categories():
     assert cats["all-gather-start.4"] == cats["all-reduce.5"] == "communication"
     assert cats["fusion.6"] == "elementwise / reduction (fusion)"
     assert cats["triton_gemm.7"] == "GEMM (Triton)"
+    assert cats["triton_red.11"] == "elementwise / reduction (fusion)"  # XLA's Triton reduction
     assert cats["fmha.8"] == "attention (cuDNN)"
     assert cats["mosaic.9"] == "Pallas / Triton kernel"
     assert cats["copy.10"] == "copy / transpose"
     assert cats["c"] == "other"  # inside a fused computation: never a device op of its own
+
+
+def test_hlo_signatures():
+    sigs = ps.hlo_signatures(HLO)
+    assert sigs["quant_fusion.1"] == "FP8 quantize (fusion) | fusion kLoop | f8e4m3fn[64,128]"
+    assert sigs["gemm.2"] == (
+        "GEMM, FP8 (cuBLASLt) | custom-call __cublas$lt$matmul$f8 | (bf16[64,256], s8[4096])")
+    assert sigs["triton_gemm.7"] == "GEMM (Triton) | fusion __triton_gemm | bf16[64,256]"
+    assert sigs["copy.10"] == "copy / transpose | copy | f32[128,64]"
+    # summed by signature: two layers' copies of one op are one row
+    ops = [("quant_fusion.1", 100.0, 7), ("gemm.2", 300.0, 7), ("gemm.2", 300.0, 7),
+           ("unknown.3", 50.0, 7)]  # fmt: skip
+    rows = ps.summarize(ops, ps.hlo_categories(HLO), steps=1, top=3, signatures=sigs)
+    rows = rows["top_signatures"]
+    assert [r["signature"] for r in rows] == [sigs["gemm.2"], sigs["quant_fusion.1"],
+                                              "other | unknown.3"]  # fmt: skip
+    assert rows[0]["ops_per_step"] == 2 and rows[0]["ms_per_step"] == pytest.approx(0.6)
 
 
 def _trace(tmp_path):
@@ -124,6 +143,7 @@ def test_cpu_smoke(tmp_path, monkeypatch):
     assert saved["gemm_backend"] == "xla"  # config.fp8.gemm
     assert saved["allocator"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}  # fmt: skip
+    assert isinstance(saved["top_signatures"], list)
     assert "--xla_gpu_enable_command_buffer=" in saved["xla_flags"]  # kernels keep their names
     assert saved["peak_bytes_per_device"] == [None] * math.prod(saved["mesh"].values())  # a CPU
     with pytest.raises(ValueError, match="precision"):
