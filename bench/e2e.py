@@ -124,6 +124,7 @@ SUFFIXES = {
     "auto_gemm": {"fp8.gemm": "auto"},
     "pallas_gemm": {"fp8.gemm": "pallas"},
     "requantize": {"fp8.saved_weights": "requantize"},
+    "bf16_product": {"fp8.gemm_product": "bf16"},
 }
 """Policy suffixes (``coat+fp8_adamw+bf16_grads+auto_gemm``) and the config keys they set."""
 
@@ -132,7 +133,8 @@ def bench_config(args, policy: str):
     """The train config of ``policy`` for ``args``: ``"<precision>+<optimizer>"``, then any
     :data:`SUFFIXES`: ``+bf16_grads`` / ``+fp32_grads`` (``grad_dtype``; without them the
     config's ``auto``: bf16 where the fused update runs), ``+auto_gemm`` / ``+pallas_gemm``
-    (``fp8.gemm``: the Pallas per-tensor FP8 GEMM where measured faster, or everywhere)."""
+    (``fp8.gemm``: the Pallas per-tensor FP8 GEMM where measured faster, or everywhere),
+    ``+requantize`` (``fp8.saved_weights``), ``+bf16_product`` (``fp8.gemm_product``)."""
     from coat_jax.models.llama import PRESETS
     from coat_jax.training import configs
 

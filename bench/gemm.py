@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import json
 import re
-import statistics
 import traceback
 
 import jax
@@ -35,20 +34,9 @@ CHECK_SHAPES = [(512, 640, 384), (129, 256, 200)]
 
 
 def timer(iters: int, inner: int):
-    """``time(fn, *args) -> (median ms, "cupti" | "host")``: CUPTI kernel time where the
-    profiler works, else host time of ``inner`` back-to-back launches."""
-
-    def time_fn(fn, *args):
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-
-            _, times = profiler.measure(fn, iterations=iters)(*args)
-            return float(statistics.median(times)), "cupti"
-        except Exception as e:  # noqa: BLE001
-            print(f"  (CUPTI timing unavailable: {type(e).__name__}: {e}; host timing)")
-            return measure.time_calls(fn, *args, iters=iters, inner=inner).median_ms, "host"
-
-    return time_fn
+    """``time(fn, *args) -> (median ms, "cupti" | "host")``:
+    :func:`coat_jax.core.measure.kernel_time`."""
+    return lambda fn, *args: measure.kernel_time(fn, *args, iters=iters, inner=inner)
 
 
 def inputs(m, k, n, seed=0):

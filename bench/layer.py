@@ -39,10 +39,13 @@ VARIANTS = {
     "fp8_linear+pallas_gemm": ("fp8_linear", Fp8Recipe(gemm="pallas")),
     "coat+pallas_gemm": ("coat", Fp8Recipe(gemm="pallas")),
     "coat+auto_gemm": ("coat", Fp8Recipe(gemm="auto")),
+    "fp8_linear+bf16_product": ("fp8_linear", Fp8Recipe(gemm_product="bf16")),
+    "coat+bf16_product": ("coat", Fp8Recipe(gemm_product="bf16")),
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
-``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``)."""
+``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``); XLA's FP8 GEMMs writing a
+BF16 product (``--product``: ``Fp8Recipe.gemm_product``)."""
 
 
 def run_policy(args) -> dict:
@@ -109,6 +112,8 @@ def main():
     parser.add_argument("--gemm", action="store_true",
                         help="add rows: fp8_linear and COAT with Fp8Recipe(gemm='pallas'), COAT "
                         "with gemm='auto'")
+    parser.add_argument("--product", action="store_true",
+                        help="add rows: fp8_linear and COAT with Fp8Recipe(gemm_product='bf16')")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -117,7 +122,8 @@ def main():
 
     rows = []
     extra = [v for v in VARIANTS if (args.fused and v.endswith("fused"))
-             or (args.gemm and v.endswith("gemm"))]  # fmt: skip
+             or (args.gemm and v.endswith("gemm"))
+             or (args.product and v.endswith("product"))]  # fmt: skip
     for policy in ("bf16", "fp8_linear", "coat", *extra):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):

@@ -2,13 +2,13 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=14 (~9 min:
-# where the 7B step's time goes with cuBLASLt and with Pallas GEMMs; the 12-02 barrier made
-# coat+pallas_gemm's block 12.82 -> 13.74 ms), PART=16 (~6 min: the compiled 7B step with and
-# without fp8.saved_weights=requantize), PART=9 (~6 min: 114M throughput), then PART=7 RECIPE=fine and
-# RECIPE=default (~9 min each) when a session has room. When nvidia-h200-x2 is lent: the
-# Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8
-# --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
+# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=16 (~6 min:
+# the compiled 7B step with and without fp8.saved_weights=requantize), PART=9 (~6 min: 114M
+# throughput), then PART=7 RECIPE=fine and RECIPE=default (~9 min each) when a session has room;
+# bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more). When
+# nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
+# `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
+# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -89,6 +89,14 @@
 #                                      BASELINE (a checkout of an earlier commit, if present)
 #                                      timed the same way, then the 1.01B-parameter step beside
 #                                      optax.adamw
+#   PART=20 bash bench/pending_gpu.sh  issue 24: the 7B COAT step at batch 4 by op signature with
+#                                      fp8.gemm=auto and xla, then Llama-114M's step per policy
+#                                      (bf16, COAT, fp8_linear) the same way
+#   PART=21 bash bench/pending_gpu.sh  bench/fp8_epilogue.py: which spelling of a scaled FP8 GEMM
+#                                      lets cuBLASLt write BF16 (step shapes)
+#   PART=22 bash bench/pending_gpu.sh  one 7B block with fp8.gemm_product=bf16 rows (bench/layer.py
+#                                      --product; 240 s was too short on 2026-12-03); E2E=1: then
+#                                      the 7B step at batch 4 with and without it (bench/e2e.py)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -110,6 +118,37 @@ train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6
 }
 
 case "${PART:-1}" in
+22)
+  echo "== one Llama-2-7B block, batch 4: FP8 GEMMs writing an fp32 or a BF16 product"
+  timeout 400 $PY bench/layer.py --product --json "$OUT/layer_product_h200_$DAY.json" 2>&1 \
+    | grep -v -i warn | tail -9
+  if [ -n "${E2E:-}" ]; then  # ~4 min more (ran 2026-12-03; the block half timed out at 240 s)
+    echo "== Llama-2-7B through train.py at batch 4: COAT with fp32 / BF16 products"
+    timeout 330 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
+      --policies coat+fp8_adamw,coat+fp8_adamw+bf16_product \
+      --json "$OUT/e2e_llama2_7b_b4_product_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+  fi
+  ;;
+21)
+  echo "== per-tensor FP8 GEMM: which spelling lets cuBLASLt write BF16 with the scales inside"
+  timeout 300 $PY bench/fp8_epilogue.py --shapes 8192x4096x4096,8192x4096x11008 \
+    --json "$OUT/fp8_epilogue_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+  ;;
+20)
+  for gemm in auto xla; do
+    echo "== Llama-2-7B COAT step at batch 4, fp8.gemm=$gemm: device time by op signature"
+    timeout 200 $PY bench/profile_step.py --set batch_size=4 --set fp8.gemm=$gemm --top 30 \
+      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_sig_h200_$DAY.json" 2>&1 \
+      | grep -v -i warn | sed -n '/| category/,/| top op/p'
+  done
+  for policy in "bf16 adamw" "coat fp8_adamw" "fp8_linear adamw"; do
+    set -- $policy
+    echo "== Llama-114M step (batch 16 x 512), $1 + $2: device time by op signature"
+    timeout 120 $PY bench/profile_step.py --config configs/llama_114m.py --set precision=$1 \
+      --set optimizer.name=$2 --top 25 --json "$OUT/profile_114m_${1}_h200_$DAY.json" 2>&1 \
+      | grep -v -i warn | sed -n '/^step/,/| top op/p'
+  done
+  ;;
 19)
   echo "== fused optimizer kernels, compiled tests"
   timeout 200 $PY -m pytest -q -k compiled tests/test_pallas_adam_step.py \

@@ -223,6 +223,29 @@ def test_fp8_gemm_with_partials_in_out_dtype_rounds_once_more():
     np.testing.assert_array_equal(got, by_hand)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_gemm_with_a_bf16_product(out_dtype):
+    """``Fp8Recipe(gemm_product="bf16")``: the GEMM writes a BF16 product and the scales
+    multiply it after, in any output dtype: the fp32 product's result within two BF16
+    roundings, equal to scaling the BF16 product by hand; the default writes fp32."""
+    k1, k2 = jax.random.split(fresh_key())
+    a = quantize(jax.random.normal(k1, (40, 96)), "e4m3")
+    b = quantize(jax.random.normal(k2, (96, 24)), "e5m2")
+    recipe = Fp8Recipe(gemm_product="bf16")
+    got = flow.fp8_gemm(a, b, (-1, 0), out_dtype, recipe)
+    assert got.dtype == out_dtype
+    want = flow.fp8_gemm(a, b, (-1, 0))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=1e-6)
+    product = jax.lax.dot_general(a.data, b.data, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.bfloat16)  # fmt: skip
+    by_hand = (product.astype(jnp.float32) * (a.scale * b.scale)).astype(out_dtype)
+    np.testing.assert_array_equal(got, by_hand)
+    dots = lambda r: [e.params["preferred_element_type"] for e in jax.make_jaxpr(
+        lambda a, b: flow.fp8_gemm(a, b, (-1, 0), out_dtype, r))(a, b).eqns
+        if e.primitive.name == "dot_general"]  # fmt: skip
+    assert dots(recipe) == [jnp.bfloat16] and dots(Fp8Recipe()) == [jnp.float32]
+
+
 def block_activation_bytes(policy, h=128, t=32, heads=4, ffn=352, norm="rms"):
     block = nn.Block(h, heads, heads, ffn, policy=get_policy(policy), norm=norm, rngs=nnx.Rngs(0))
     graph, params = nnx.split(block)

@@ -32,6 +32,7 @@ def test_default_recipe_is_coats():
         ({"gemm": "cublas"}, "Fp8Recipe.gemm='cublas'"),
         ({"triton_gemm": "no"}, "Fp8Recipe.triton_gemm must be a bool"),
         ({"saved_weights": "bf16"}, "Fp8Recipe.saved_weights='bf16'"),
+        ({"gemm_product": "f16"}, "Fp8Recipe.gemm_product='f16'"),
     ],
 )
 def test_bad_recipes_name_the_field(kwargs, match):

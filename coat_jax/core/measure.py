@@ -3,6 +3,7 @@ every benchmark under ``bench/`` read them.
 
 * :func:`time_loop` times ``carry = step(carry)`` (a train step threading donated state, or a
   stateless call), waiting for the device; :func:`time_calls` is the stateless case.
+* :func:`kernel_time` times one call's device kernels (CUPTI on a GPU, else host time).
 * :func:`device_memory` reads the allocator's limit and peak over a set of devices (the
   fullest device's peak, the smallest limit: what decides whether a sharded step fits).
 * :func:`allocator_settings` are the environment variables that decide the allocator (every
@@ -24,6 +25,7 @@ __all__ = [
     "Timing",
     "allocator_settings",
     "device_memory",
+    "kernel_time",
     "time_calls",
     "time_loop",
 ]
@@ -76,6 +78,21 @@ def time_loop(step, carry, *, warmup: int = 1, iters: int = 10, inner: int = 1):
 def time_calls(fn, *args, warmup: int = 1, iters: int = 10, inner: int = 1) -> Timing:
     """:func:`time_loop` of ``fn(*args)`` (its outputs are dropped)."""
     return time_loop(lambda _: fn(*args), None, warmup=warmup, iters=iters, inner=inner)[0]
+
+
+def kernel_time(fn, *args, iters: int = 20, inner: int = 5) -> tuple[float, str]:
+    """``(median ms, "cupti" | "host")`` of ``fn(*args)``: the summed time of every kernel the
+    call launches (padding, transposes, epilogue fusions included) from CUPTI where
+    ``jax.experimental.mosaic.gpu.profiler`` works (a GPU), else :func:`time_calls`' host time
+    of ``inner`` back-to-back calls."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(fn, iterations=iters)(*args)
+        return float(statistics.median(times)), "cupti"
+    except Exception as e:  # noqa: BLE001 (no CUPTI here: fall back, saying why)
+        print(f"  (CUPTI timing unavailable: {type(e).__name__}: {e}; host timing)")
+        return time_calls(fn, *args, iters=iters, inner=inner).median_ms, "host"
 
 
 @dataclasses.dataclass(frozen=True)

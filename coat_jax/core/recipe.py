@@ -20,6 +20,12 @@ field                  default    meaning
                                   kernel, Hopper only; on each shard under a mesh), ``auto``
                                   (Pallas for the shapes measured faster,
                                   ``pallas_kernels.dispatch``)
+``gemm_product``       ``fp32``   what XLA's cuBLASLt FP8 GEMM writes before the two scales
+                                  multiply its product: ``fp32`` (one rounding, to the output
+                                  dtype after the scales) or ``bf16`` (a BF16 product, scaled
+                                  and cast by its consumer: half the bytes written and read
+                                  back, one more rounding; ``bench/fp8_epilogue.py``: XLA
+                                  never joins the scales and a BF16 output to the FP8 call)
 ``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
 ``fused_quantize``     ``auto``   the COAT norm and SwiGLU forwards as two Pallas passes that
                                   quantize inside the op (``pallas_kernels.fused_quantize``;
@@ -51,8 +57,8 @@ import jax
 
 from coat_jax.core.formats import Fp8Format, get_format
 
-__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "KERNEL_OPTIONS", "SAVED_WEIGHTS",
-           "SCALINGS", "Fp8Recipe"]  # fmt: skip
+__all__ = ["ACT_GROUP", "FORWARD_GEMMS", "GEMM_BACKENDS", "GEMM_PRODUCTS", "KERNEL_OPTIONS",
+           "SAVED_WEIGHTS", "SCALINGS", "Fp8Recipe"]  # fmt: skip
 
 ACT_GROUP = 16
 """COAT's group size for FP8 inputs of non-linear layers (1x16 along the hidden axis)."""
@@ -61,6 +67,7 @@ GEMM_BACKENDS = ("xla", "pallas", "auto")
 SCALINGS = ("tensor", "row", "block")
 FORWARD_GEMMS = ("fp8", "bf16")
 SAVED_WEIGHTS = ("fp8", "requantize")
+GEMM_PRODUCTS = ("fp32", "bf16")
 KERNEL_OPTIONS = ("auto", "pallas", "reference", "interpret")
 """Where a Pallas kernel family runs (``pallas_kernels.dispatch.resolve``)."""
 
@@ -78,6 +85,7 @@ class Fp8Recipe:
     scaling: str = "tensor"
     forward_gemm: str = "fp8"
     gemm: str = "xla"
+    gemm_product: str = "fp32"
     gemm_autotune: bool = True
     fused_quantize: str = "auto"
     triton_gemm: bool = False
@@ -100,6 +108,10 @@ class Fp8Recipe:
             )
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"Fp8Recipe.gemm={self.gemm!r}: expected one of {GEMM_BACKENDS}")
+        if self.gemm_product not in GEMM_PRODUCTS:
+            raise ValueError(
+                f"Fp8Recipe.gemm_product={self.gemm_product!r}: expected one of {GEMM_PRODUCTS}"
+            )
         if self.fused_quantize not in KERNEL_OPTIONS:
             raise ValueError(
                 f"Fp8Recipe.fused_quantize={self.fused_quantize!r}: expected one of "

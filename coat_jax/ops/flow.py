@@ -72,12 +72,14 @@ def fp8_gemm(
 
     FP8 codes feed ``lax.dot_general`` directly with fp32 accumulation, the pattern that XLA
     rewrites into a cuBLASLt FP8 GEMM on Hopper; the two scales multiply the fp32 product and
-    the cast to ``out_dtype`` joins the GEMM's epilogue there. Where ``recipe.gemm`` picks
-    Pallas for this shape (:func:`pallas_kernels.dispatch.gemm_backend`; under a mesh, for
-    each device's shard of it) the Pallas wgmma kernel runs instead
-    (:mod:`pallas_kernels.fp8_matmul`, on every shard through
-    :mod:`coat_jax.ops.sharded_gemm`; operands moved to K-major first, a copy for each
-    operand whose contracted axis is not its last).
+    the cast to ``out_dtype`` follow it (XLA writes the fp32 product and a fusion reads it
+    back: ``bench/fp8_epilogue.py``); with ``recipe.gemm_product == "bf16"`` the GEMM writes a
+    BF16 product instead (half the bytes, one more rounding) and its consumer scales it.
+    Where ``recipe.gemm`` picks Pallas for this shape
+    (:func:`pallas_kernels.dispatch.gemm_backend`; under a mesh, for each device's shard of
+    it) the Pallas wgmma kernel runs instead (:mod:`pallas_kernels.fp8_matmul`, on every
+    shard through :mod:`coat_jax.ops.sharded_gemm`; operands moved to K-major first, a copy
+    for each operand whose contracted axis is not its last).
 
     Args:
       a, b: per-tensor :class:`QuantizedArray` operands.
@@ -103,6 +105,8 @@ def fp8_gemm(
             )  # fmt: skip
     dims = (((ca,), (cb,)), ((), ()))
     product_dtype = out_dtype if partials_in_out_dtype else jnp.float32
+    if recipe.gemm_product == "bf16":
+        product_dtype = jnp.bfloat16
     out = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=product_dtype)
     return (out.astype(jnp.float32) * (a.scale * b.scale)).astype(out_dtype)
 
