@@ -28,6 +28,8 @@ import numpy as np
 
 from coat_jax.core import formats, measure
 from coat_jax.core.quant import quantize
+from coat_jax.core.recipe import Fp8Recipe
+from coat_jax.ops import flow
 
 CONTRACT = (((1,), (1,)), ((), ()))
 
@@ -36,36 +38,37 @@ def _dot(a, b, dtype):
     return jax.lax.dot_general(a, b, CONTRACT, preferred_element_type=dtype)
 
 
-def _f32_product(a, b, sa, sb):  # flow.fp8_gemm's spelling on 2026-12-02
-    return (_dot(a, b, jnp.float32) * (sa * sb)).astype(jnp.bfloat16)
+def _shipped(gemm_product: str):
+    """``flow.fp8_gemm`` itself, with ``Fp8Recipe(gemm_product=...)``."""
+    recipe = Fp8Recipe(gemm_product=gemm_product)
+    return lambda qa, qb: flow.fp8_gemm(qa, qb, (1, 1), jnp.bfloat16, recipe)
 
 
-def _bf16_product(a, b, sa, sb):  # partials_in_out_dtype=True's spelling
-    return (_dot(a, b, jnp.bfloat16).astype(jnp.float32) * (sa * sb)).astype(jnp.bfloat16)
-
-
-def _dequantized_f32(a, b, sa, sb):
-    da, db = a.astype(jnp.float32) * sa, b.astype(jnp.float32) * sb
+def _dequantized_f32(qa, qb):
+    da, db = qa.data.astype(jnp.float32) * qa.scale, qb.data.astype(jnp.float32) * qb.scale
     return _dot(da, db, jnp.float32).astype(jnp.bfloat16)
 
 
-def _dequantized_bf16_scales(a, b, sa, sb):  # flax.linen.fp8_ops' spelling
-    bf = jnp.bfloat16
-    return _dot(a.astype(bf) * sa.astype(bf), b.astype(bf) * sb.astype(bf), bf)
-
-
-def _dequantized_f32_bf16_out(a, b, sa, sb):
-    da, db = a.astype(jnp.float32) * sa, b.astype(jnp.float32) * sb
+def _dequantized_f32_bf16_out(qa, qb):
+    da, db = qa.data.astype(jnp.float32) * qa.scale, qb.data.astype(jnp.float32) * qb.scale
     return _dot(da, db, jnp.bfloat16)
 
 
+def _dequantized_bf16_scales(qa, qb):  # flax.linen.fp8_ops' spelling
+    bf = jnp.bfloat16
+    return _dot(qa.data.astype(bf) * qa.scale.astype(bf), qb.data.astype(bf) * qb.scale.astype(bf),
+                bf)  # fmt: skip
+
+
 PATTERNS = {
-    "f32 product, scaled, cast (shipped)": _f32_product,
-    "bf16 product, scaled in f32, cast": _bf16_product,
+    "f32 product, scaled, cast (shipped)": _shipped("fp32"),
+    "bf16 product, scaled in f32, cast": _shipped("bf16"),
     "dequantized in f32, f32 dot, cast": _dequantized_f32,
     "dequantized in f32, bf16 dot": _dequantized_f32_bf16_out,
     "dequantized in bf16 (bf16 scales), bf16 dot": _dequantized_bf16_scales,
 }
+"""Spellings of ``bf16(s_a s_b (a @ b^T))`` for per-tensor FP8 operands ``qa (M, K)``,
+``qb (N, K)``; the first two are ``flow.fp8_gemm`` (``Fp8Recipe.gemm_product``)."""
 
 
 def hlo_summary(compiled_text: str) -> dict:
@@ -83,15 +86,14 @@ def run(shapes, iters: int) -> list[dict]:
         ka, kb = jax.random.split(jax.random.key(0))
         qa = quantize(jax.random.normal(ka, (m, k), jnp.float32), formats.E4M3)
         qb = quantize(jax.random.normal(kb, (n, k), jnp.float32) * 0.02, formats.E4M3)
-        a, b, sa, sb = qa.data, qb.data, qa.scale, qb.scale
-        exact = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * (
-            float(sa) * float(sb))  # fmt: skip
+        exact = (np.asarray(qa.data, np.float64) @ np.asarray(qb.data, np.float64).T) * (
+            float(qa.scale) * float(qb.scale))  # fmt: skip
         for name, fn in PATTERNS.items():
             jitted = jax.jit(fn)
-            info = hlo_summary(jitted.lower(a, b, sa, sb).compile().as_text())
-            out = np.asarray(jitted(a, b, sa, sb), np.float64)
+            info = hlo_summary(jitted.lower(qa, qb).compile().as_text())
+            out = np.asarray(jitted(qa, qb), np.float64)
             rel = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
-            ms, how = measure.kernel_time(jitted, a, b, sa, sb, iters=iters)
+            ms, how = measure.kernel_time(jitted, qa, qb, iters=iters)
             row = {"shape": [m, k, n], "pattern": name, "ms": ms, "timer": how,
                    "tflops": 2 * m * k * n / ms / 1e9, "rel_error": rel, **info}  # fmt: skip
             rows.append(row)

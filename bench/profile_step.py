@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 FP8_TYPE = re.compile(r"\bf8e\w+\[")
 LAYOUT = re.compile(r"\{[^{}]*\}")
+EMITTER = re.compile(r'"kind":"(\w+)"')  # a kCustom fusion's emitter, in its backend_config
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 
 
@@ -100,8 +101,8 @@ def hlo_signatures(hlo_text: str) -> dict[str, str]:
     types = {name: out_type for name, out_type, _, _ in parsed}
     signatures = {}
     for name, out_type, opcode, rest in parsed:
-        kind = re.search(r'custom_call_target="([^"]+)"', rest) or re.search(
-            r'"kind":"(\w+)"', rest) or re.search(r"\bkind=(\w+)", rest)  # fmt: skip
+        kind = (re.search(r'custom_call_target="([^"]+)"', rest) or EMITTER.search(rest)
+                or re.search(r"\bkind=(\w+)", rest))  # fmt: skip
         shape = LAYOUT.sub("", out_type)
         what = f"{opcode} {kind.group(1)}" if kind else opcode
         signatures[name] = f"{_category(out_type, opcode, rest, types)} | {what} | {shape}"
@@ -155,7 +156,7 @@ def _category(out_type: str, opcode: str, rest: str, types: dict[str, str]) -> s
             return "Pallas / Triton kernel"
         return "other"
     if opcode == "fusion":
-        custom = re.search(r'"kind":"(\w+)"', rest)  # a kCustom fusion's emitter
+        custom = EMITTER.search(rest)
         if custom and "gemm" in custom.group(1):  # __triton_gemm, __triton_nested_gemm_fusion
             return "GEMM (Triton)"  # (plain __triton fusions are XLA's Triton reductions)
         if FP8_TYPE.search(out_type):
