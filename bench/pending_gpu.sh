@@ -4,11 +4,13 @@
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2): PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=9 (~6 min: 114M
-# throughput), then PART=7 RECIPE=fine and RECIPE=default (~9 min each) when a session has room;
-# bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more). When
-# nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
-# `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
-# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
+# throughput), PART=22 E2E=1 (the block and the 7B step with BF16 GEMM products);
+# bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B
+# fp8_linear step at batch 4 with and without --xla_allow_excess_precision=false (4.1% faster on
+# the 2-layer step, PART=23). When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never
+# run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
+# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes) ran
+# 2026-12-03.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -97,6 +99,16 @@
 #   PART=22 bash bench/pending_gpu.sh  one 7B block with fp8.gemm_product=bf16 rows (bench/layer.py
 #                                      --product; 240 s was too short on 2026-12-03); E2E=1: then
 #                                      the 7B step at batch 4 with and without it (bench/e2e.py)
+#   PART=23 bash bench/pending_gpu.sh  issue 24: a 2-layer Llama-2-7B step at batch 4 by op, with
+#                                      its compiled HLO (bench/profile_step.py --hlo): COAT,
+#                                      fp8_linear, bf16; COAT and fp8_linear again under
+#                                      --xla_allow_excess_precision=false (does XLA keep bf16
+#                                      values in f32 between fusions?)
+#   PART=24 bash bench/pending_gpu.sh  issue 24: the tree under test against baseline/ (a
+#                                      git-ignored copy of the packages before the change, carried
+#                                      to the device): the 2-layer COAT profile, one 7B block
+#                                      (twice, interleaved), the 7B step at batch 4; one archive
+#                                      of the profiles (the device returns at most 8 files)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -117,7 +129,54 @@ train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6
   cp /tmp/train_7b/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
 }
 
+profile_2l() {  # tag, precision, optimizer: a 2-layer 7B step at batch 4, by op, with its HLO
+  local name="profile_7b_2layers_$1_h200_$DAY"
+  echo "== 2-layer Llama-2-7B step, batch 4: $1 (XLA_FLAGS=${XLA_FLAGS:-})"
+  timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=4 \
+    --set precision=$2 --set optimizer.name=$3 --top 400 --json "$OUT/$name.json" \
+    --hlo "$OUT/hlo_${name#profile_}.txt.gz" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+}
+
+profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as one archive
+  (cd "$OUT" && tar czf "profiles_$1_h200_$DAY.tgz" hlo_*.txt.gz profile_*.json \
+    && rm -f hlo_*.txt.gz profile_*.json)
+}
+
 case "${PART:-1}" in
+24)
+  # the tree under test against baseline/ (git-ignored: the packages to compare against, made
+  # with `mkdir baseline && git archive HEAD coat_jax pallas_kernels | tar -x -C baseline`
+  # before the change under test is committed; the device call carries it: carry ["baseline"])
+  [ -d baseline/coat_jax ] || { echo "PART=24 needs baseline/"; exit 1; }
+  base="baseline:${PYTHONPATH}"
+  for tree in new base; do
+    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
+    PYTHONPATH=$pp profile_2l "coat_$tree" coat fp8_adamw
+  done
+  echo "== one Llama-2-7B block, batch 4, fwd + bwd ms: new / baseline, twice; fp8_linear"
+  for tree in new base new base fp8_linear; do
+    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
+    policy=coat; [ $tree = fp8_linear ] && policy=fp8_linear
+    PYTHONPATH=$pp timeout 120 $PY bench/layer.py --policy $policy 2>/dev/null | tail -1 \
+      | tee -a "$OUT/layer_ab_h200_$DAY.jsonl" | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print('$tree', r['policy'], round(r['median_ms'], 3), 'ms')"
+  done
+  for tree in new base; do
+    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
+    echo "== Llama-2-7B through train.py's step at batch 4, COAT: $tree"
+    PYTHONPATH=$pp timeout 200 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
+      --policies coat+fp8_adamw --json "$OUT/e2e_llama2_7b_b4_ab_${tree}_h200_$DAY.json" 2>&1 \
+      | grep -v -i warn | tail -3
+  done
+  profiles_archive ab
+  ;;
+23)
+  profile_2l coat coat fp8_adamw
+  profile_2l fp8_linear fp8_linear adamw
+  profile_2l bf16 bf16 adamw
+  XLA_FLAGS=--xla_allow_excess_precision=false profile_2l coat_noexcess coat fp8_adamw
+  XLA_FLAGS=--xla_allow_excess_precision=false profile_2l fp8_linear_noexcess fp8_linear adamw
+  profiles_archive 2layers
+  ;;
 22)
   echo "== one Llama-2-7B block, batch 4: FP8 GEMMs writing an fp32 or a BF16 product"
   timeout 400 $PY bench/layer.py --product --json "$OUT/layer_product_h200_$DAY.json" 2>&1 \

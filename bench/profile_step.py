@@ -66,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--top", type=int, default=15, help="kernels listed")
     parser.add_argument("--trace_dir", default=os.path.join("runs", "profile"))
     parser.add_argument("--json")
+    parser.add_argument("--hlo", help="write the compiled step's HLO text here (gzip if *.gz): "
+                        "what each traced op name runs")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -310,6 +312,9 @@ def main(argv=None):
         result["compile_s"] = time.perf_counter() - started
         print(f"compiled in {result['compile_s']:.0f} s", flush=True)
         hlo = compiled.as_text()
+        if args.hlo:
+            with (gzip.open if args.hlo.endswith(".gz") else open)(args.hlo, "wt") as f:
+                f.write(hlo)
         categories, kinds = hlo_categories(hlo), collective_kinds(hlo)
         signatures = hlo_signatures(hlo)
         step = lambda carry: compiled(carry[0], carry[1], batch)

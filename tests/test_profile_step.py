@@ -1,5 +1,6 @@
 """bench/profile_step.py: HLO categories, trace parsing and a CPU smoke run."""
 
+import gzip
 import importlib.util
 import json
 import math
@@ -136,8 +137,10 @@ def test_cpu_smoke(tmp_path, monkeypatch):
     result = ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set",
                       "precision=coat", "--set", "seq_len=32", "--set", "batch_size=2",
                       "--steps", "2", "--warmup", "1", "--trace_dir", str(tmp_path / "trace"),
-                      "--json", str(out)])  # fmt: skip
+                      "--json", str(out), "--hlo", str(tmp_path / "step.hlo.gz")])  # fmt: skip
     saved = json.loads(out.read_text())
+    with gzip.open(tmp_path / "step.hlo.gz", "rt") as f:  # the module the trace's names are of
+        assert len(ps.hlo_categories(f.read())) == saved["hlo_instructions"]
     assert saved["step_ms_median"] > 0 and saved["compile_s"] > 0 and saved["tokens_per_s"] > 0
     assert saved["hlo_instructions"] > 100 and result["mesh"] == saved["mesh"]
     assert saved["gemm_backend"] == "xla"  # config.fp8.gemm
