@@ -20,8 +20,7 @@ from flax import nnx
 import coat_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EIGHT_DEVICES = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-                 + " --xla_force_host_platform_device_count=8"}  # fmt: skip
+EIGHT_DEVICES = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
 def _run_python(code: str, cwd=None) -> subprocess.CompletedProcess:

@@ -39,8 +39,7 @@ def launch(workdir, mesh, *extra, devices=8, env_extra=None):
     cmd += [f"--config.compile_cache_dir={cache}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    devices_flag = f"--xla_force_host_platform_device_count={devices}"
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {devices_flag}"  # after the session's
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
 

@@ -15,8 +15,7 @@ from coat_jax.ops import sharding
 SCRIPT = textwrap.dedent(
     """
     import os
-    flags = os.environ.get("XLA_FLAGS", "")  # the session's (tests/conftest.py), then 8 devices
-    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     import coat_jax
@@ -88,8 +87,7 @@ def test_sharded_fp8_update_matches_single_device():
 FUSED_SCRIPT = textwrap.dedent(
     """
     import os
-    flags = os.environ.get("XLA_FLAGS", "")  # the session's (tests/conftest.py), then 8 devices
-    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     import coat_jax
@@ -230,8 +228,8 @@ def test_specs_follow_the_parameter():
 FSDP_GATHER_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
-        " --xla_force_host_platform_device_count=2 --xla_dump_to={dump} "
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=2 --xla_dump_to={dump} "
         "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
     import jax
@@ -271,8 +269,8 @@ def test_fsdp_gathers_projection_weights_as_fp8_codes(tmp_path):
 GRAD_REDUCE_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
-        " --xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
         "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
     import jax, jax.numpy as jnp
@@ -343,8 +341,7 @@ def test_bf16_weight_gradients_are_reduced_in_bf16(tmp_path):
 FUSED_QUANTIZE_SCRIPT = textwrap.dedent(
     """
     import os
-    flags = os.environ.get("XLA_FLAGS", "")  # the session's (tests/conftest.py), then 8 devices
-    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from coat_jax.core.recipe import Fp8Recipe
     from coat_jax.ops import flow, sharding
@@ -399,8 +396,7 @@ def test_fused_quantize_runs_on_each_shard_with_the_tensors_amax():
 SHARDED_GEMM_SCRIPT = textwrap.dedent(
     """
     import os
-    flags = os.environ.get("XLA_FLAGS", "")  # the session's (tests/conftest.py), then 8 devices
-    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from coat_jax.core.recipe import Fp8Recipe
