@@ -22,10 +22,11 @@ Each device op of the trace is put in one category by the HLO instruction it ran
 Printed and written (``--json``): per category ms per step and share of the device time, the
 communication by collective and element type (``all-gather f8e4m3fn``: an FP8 weight gather), the
 top kernels, the step's wall time (median) next to the device time, and the trace's process and
-thread names (so an unexpected trace layout shows). The trace folder is kept (``--trace_dir``)
-for Perfetto / TensorBoard. CUDA graphs (XLA's command buffers) are turned off so that every
-kernel keeps its HLO name (docs/bench-methods.md). On a CPU the trace has no device ops: the
-script says so and still reports compile and step times (the point there is that it cannot rot).
+thread names (so an unexpected trace layout shows); ``--hlo`` writes the compiled step's HLO text,
+in which each traced op name is an instruction (its fusion's body). The trace folder is kept
+(``--trace_dir``) for Perfetto / TensorBoard. CUDA graphs (XLA's command buffers) are turned off so
+that every kernel keeps its HLO name (docs/bench-methods.md). On a CPU the trace has no device ops:
+the script says so and still reports compile and step times (the point there is that it cannot rot).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def parse_args(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--hlo", help="write the compiled step's HLO text here (gzip if *.gz): "
                         "what each traced op name runs")  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag, path in (("--json", args.json), ("--hlo", args.hlo)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag} {path}: no such directory")  # before the minutes of compiling
+    return args
 
 
 def load_config(path: str, sets: list[str]):

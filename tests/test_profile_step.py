@@ -149,5 +149,7 @@ def test_cpu_smoke(tmp_path, monkeypatch):
     assert isinstance(saved["top_signatures"], list)
     assert "--xla_gpu_enable_command_buffer=" in saved["xla_flags"]  # kernels keep their names
     assert saved["peak_bytes_per_device"] == [None] * math.prod(saved["mesh"].values())  # a CPU
+    with pytest.raises(SystemExit):  # a missing folder stops the parser, before any compile
+        ps.parse_args(["--hlo", str(tmp_path / "no_such_dir" / "step.hlo")])
     with pytest.raises(ValueError, match="precision"):
         ps.main(["--config", str(ROOT / "configs" / "llama_tiny.py"), "--set", "precision=fp4"])
