@@ -148,22 +148,22 @@ case "${PART:-1}" in
   # with `mkdir baseline && git archive HEAD coat_jax pallas_kernels | tar -x -C baseline`
   # before the change under test is committed; the device call carries it: carry ["baseline"])
   [ -d baseline/coat_jax ] || { echo "PART=24 needs baseline/"; exit 1; }
-  base="baseline:${PYTHONPATH}"
+  in_tree() {  # new|base|..., command...: the command on the tree under test or on baseline/
+    local tree=$1; shift
+    if [ "$tree" = base ]; then PYTHONPATH="baseline:$PYTHONPATH" "$@"; else "$@"; fi
+  }
   for tree in new base; do
-    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
-    PYTHONPATH=$pp profile_2l "coat_$tree" coat fp8_adamw
+    in_tree $tree profile_2l "coat_$tree" coat fp8_adamw
   done
   echo "== one Llama-2-7B block, batch 4, fwd + bwd ms: new / baseline, twice; fp8_linear"
   for tree in new base new base fp8_linear; do
-    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
     policy=coat; [ $tree = fp8_linear ] && policy=fp8_linear
-    PYTHONPATH=$pp timeout 120 $PY bench/layer.py --policy $policy 2>/dev/null | tail -1 \
+    in_tree $tree timeout 120 $PY bench/layer.py --policy $policy 2>/dev/null | tail -1 \
       | tee -a "$OUT/layer_ab_h200_$DAY.jsonl" | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print('$tree', r['policy'], round(r['median_ms'], 3), 'ms')"
   done
   for tree in new base; do
-    pp=$PYTHONPATH; [ $tree = base ] && pp=$base
     echo "== Llama-2-7B through train.py's step at batch 4, COAT: $tree"
-    PYTHONPATH=$pp timeout 200 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
+    in_tree $tree timeout 200 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
       --policies coat+fp8_adamw --json "$OUT/e2e_llama2_7b_b4_ab_${tree}_h200_$DAY.json" 2>&1 \
       | grep -v -i warn | tail -3
   done
