@@ -7,9 +7,7 @@ parts of its per-tile math taken out, on one ``(rows, cols)`` fp32 leaf.
 Variants (``pallas_kernels.adam_update.leaf_kernel``, same operands, tiles and bytes; every
 variant but ``shipped`` computes wrong moments on purpose: they are timings, not optimizers):
 
-* ``shipped``: the kernel as the library runs it, at each tuning of ``--tunings``
-  (``8x4+log+exp2``: 8-row tiles, 4 warps, ``log`` and ``exp2`` from
-  ``pallas_kernels.fast_math``'s polynomials instead of MUFU ops).
+* ``shipped``: the kernel as the library runs it, at each tuning of ``--tunings``.
 * ``io only``: loads and stores everything, the moments pass through, ``p + lr g`` the only
   math: the floor this tile layout allows (also at each tuning).
 * ``no expansion``: the moments decoded and encoded by plain absmax scaling (the ``k`` codes
@@ -123,14 +121,11 @@ def tiles_only_step(rows: int, cols: int, tuning, interpret: bool):
 
 
 def parse_tunings(text: str) -> list[adam_step.AdamStepTuning]:
-    """``"16x4,8x4+log+exp2"`` -> tunings of those block rows x warps, with the functions after
-    ``+`` taken from ``pallas_kernels.fast_math`` (``AdamStepTuning.polynomial``)."""
+    """``"16x4,32x8"`` -> tunings of those block rows x warps (other knobs default)."""
     tunings = []
     for item in text.split(","):
-        shape, *polynomial = item.lower().split("+")
-        rows, warps = shape.split("x")
-        tunings.append(adam_step.AdamStepTuning(block_rows=int(rows), num_warps=int(warps),
-                                                polynomial=tuple(polynomial)))  # fmt: skip
+        rows, warps = item.lower().split("x")
+        tunings.append(adam_step.AdamStepTuning(block_rows=int(rows), num_warps=int(warps)))
     return tunings
 
 
@@ -142,8 +137,7 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--tunings", default="8x4",
-                        help="block rows x warps[+log][+exp2] (fast_math polynomials), for "
-                             "shipped and io only")
+                        help="block rows x warps, for shipped and io only")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -158,12 +152,9 @@ def main(argv=None):
     rows = []
     for variant in args.variants.split(","):
         tuned = variant in ("shipped", "io only")
-        tunings = [t for t in parse_tunings(args.tunings) if variant == "shipped"
-                   or not t.polynomial]  # the others take no log / exp2  # fmt: skip
-        for tuning in tunings if tuned else [adam_step.AdamStepTuning()]:
+        for tuning in parse_tunings(args.tunings) if tuned else [adam_step.AdamStepTuning()]:
             row = {"variant": variant, "block_rows": tuning.block_rows,
-                   "num_warps": tuning.num_warps,
-                   "polynomial": list(tuning.polynomial)}  # fmt: skip
+                   "num_warps": tuning.num_warps}  # fmt: skip
             with patched(VARIANTS[variant]):
                 try:
                     ms = median_ms(*make(tuning))
@@ -173,7 +164,7 @@ def main(argv=None):
             rows.append(row)
             print(f"  {row}", flush=True)
     if "shipped" in args.variants.split(",") and len(args.variants.split(",")) > 1:
-        for tuning in [t for t in parse_tunings(args.tunings) if not t.polynomial]:
+        for tuning in parse_tunings(args.tunings):
             step, carry, tile_bytes = tiles_only_step(args.rows, args.cols, tuning, interpret)
             ms = median_ms(step, carry)
             rows.append({"variant": "tiles only (no per-group arrays)",
@@ -191,11 +182,9 @@ def main(argv=None):
                        "copy_GBps": copy_gbps, "rows": rows}, f, indent=2)  # fmt: skip
     mode = "interpret mode: times are not kernel speed" if interpret else "compiled"
     print(f"\n{args.rows}x{args.cols} fp32 leaf, {device} ({mode}); copy {copy_gbps:.0f} GB/s")
-    print("| variant | tile rows x warps [+ polynomial] | ms | GB/s | of copy |")
-    print("|---|---|---|---|---|")
+    print("| variant | tile rows x warps | ms | GB/s | of copy |\n|---|---|---|---|---|")
     for r in rows:
         tile = f"{r['block_rows']}x{r['num_warps']}" if r["block_rows"] else "-"
-        tile = "+".join([tile, *r.get("polynomial", [])])
         if "ms" not in r:
             print(f"| {r['variant']} | {tile} | failed | - | - |")
             continue

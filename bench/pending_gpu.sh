@@ -109,11 +109,6 @@
 #                                      to the device): the 2-layer COAT profile, one 7B block
 #                                      (twice, interleaved), the 7B step at batch 4; one archive
 #                                      of the profiles (the device returns at most 8 files)
-#   PART=25 bash bench/pending_gpu.sh  issue 18: the fused update with pallas_kernels.fast_math's
-#                                      log / exp2 (no MUFU op): compiled tests, the 4096x11008
-#                                      leaf at each math (bench/adam_ablation.py), then the
-#                                      1.01B-parameter step beside optax.adamw with fp32 and BF16
-#                                      gradients
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -148,18 +143,6 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 }
 
 case "${PART:-1}" in
-25)
-  echo "== fused optimizer kernels, compiled tests (MUFU and fast_math log / exp2)"
-  timeout 240 $PY -m pytest -q -k "compiled or lower" tests/test_pallas_adam_step.py \
-    tests/test_pallas_adam_update.py 2>&1 | tail -3
-  echo "== the fused update on one 4096x11008 leaf: MUFU vs fast_math log / exp2"
-  timeout 200 $PY bench/adam_ablation.py --variants "shipped,io only,no expansion" \
-    --tunings 8x4,8x4+log,8x4+exp2,8x4+log+exp2,16x4+log+exp2 \
-    --json "$OUT/adam_fast_math_h200_$DAY.json" 2>&1 | tail -14
-  echo "== optimizer step, 1.01B params, beside optax.adamw"
-  timeout 240 $PY bench/optimizer.py --only "update (Pallas" \
-    --json "$OUT/optimizer_fast_math_h200_$DAY.json" 2>&1 | tail -9
-  ;;
 24)
   # the tree under test against baseline/ (git-ignored: the packages to compare against, made
   # with `mkdir baseline && git archive HEAD coat_jax pallas_kernels | tar -x -C baseline`

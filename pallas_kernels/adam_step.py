@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as pl_triton
 from coat_jax.core import adam
 from coat_jax.core.adam import AdamCoefficients
 from coat_jax.core.quant import QuantizedArray, decode, encode
-from pallas_kernels import dispatch, fast_math
+from pallas_kernels import dispatch
 from pallas_kernels.tiling import pow2_divisor
 
 _LN_2 = 0.6931471805599453
@@ -73,12 +73,6 @@ class AdamStepTuning:
         division on an H200, 0.325 vs 0.302 ms, within run-to-run noise; it is what the
         2026-12-02 timings ran.)
 
-      polynomial: which of the expansion's per-element functions (``"log"``, ``"exp2"``) to
-        take from :mod:`pallas_kernels.fast_math` (integer bit operations and a polynomial on
-        the multiply-add pipe, ~20 instructions) instead of one MUFU op each: the kernel
-        evaluates ten MUFU ops an element with ``approx_math``. Applies in interpret mode too,
-        so the CPU tests run the GPU's arithmetic.
-
     Defaults: the fastest full update on a 4096 x 11008 leaf in two of two runs on an H200
     (0.304 / 0.305 ms against 0.325 / 0.318 for 16 rows;
     ``bench/results/adam_ablation_h200_2026-12-02*.json``), as in the 2026-11-30 sweep
@@ -89,14 +83,6 @@ class AdamStepTuning:
     num_warps: int = 4
     num_stages: int = 1
     approx_math: bool = True
-    polynomial: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if not isinstance(self.polynomial, tuple) or set(self.polynomial) - {"log", "exp2"}:
-            raise ValueError(
-                f"AdamStepTuning.polynomial must be a tuple of 'log' / 'exp2', got "
-                f"{self.polynomial!r}"
-            )
 
 
 def tuning_candidates() -> tuple[AdamStepTuning, ...]:
@@ -145,15 +131,12 @@ def _approx_direction(m, v, c: AdamCoefficients):
 def kernel_math(tuning: AdamStepTuning, interpret: bool) -> KernelMath:
     """On the GPU with ``approx_math``: one MUFU op for each ``log``, ``exp2``, square root and
     reciprocal (all handle 0, subnormals, inf and NaN as ``jnp``'s do); the reference's
-    functions in interpret mode. ``tuning.polynomial`` replaces ``log`` / ``exp2`` by
-    :mod:`pallas_kernels.fast_math`'s in both modes."""
-    math = KernelMath()
+    functions in interpret mode."""
     if tuning.approx_math and not interpret:
-        math = KernelMath(log=lambda x: _ptx_unary("lg2.approx.f32", x) * _LN_2,
+        return KernelMath(log=lambda x: _ptx_unary("lg2.approx.f32", x) * _LN_2,
                           exp2=functools.partial(_ptx_unary, "ex2.approx.f32"),
                           direction=_approx_direction)  # fmt: skip
-    chosen = {name: getattr(fast_math, name) for name in tuning.polynomial}
-    return dataclasses.replace(math, **chosen)
+    return KernelMath()
 
 
 def group_rows(mu: QuantizedArray, tuning: AdamStepTuning) -> tuple[int, int, int] | None:
