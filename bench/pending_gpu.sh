@@ -38,7 +38,8 @@
 #                                      default the same way (one call each: on 2026-12-02 both
 #                                      in one call left no time for the largest-batch search,
 #                                      a 7B compile takes 72-76 s)
-#   PART=9 bash bench/pending_gpu.sh   114M throughput: train.py's tokens/s (COAT fp32 master;
+#   PART=9 bash bench/pending_gpu.sh   114M throughput: train.py's tokens/s (BF16 + adamw and
+#                                      fp8_linear + adamw first; COAT fp32 master;
 #                                      the same with the update in the backward pass, no
 #                                      lax.cond; bf16+8 rebuilt around the kernel; bf16+8 on
 #                                      the parts kernel) beside the step alone (profile_step):
@@ -109,6 +110,13 @@
 #                                      to the device): the 2-layer COAT profile, one 7B block
 #                                      (twice, interleaved), the 7B step at batch 4; one archive
 #                                      of the profiles (the device returns at most 8 files)
+#   PART=26 bash bench/pending_gpu.sh  issue 24: Llama-114M through train.py (COAT, BF16) with
+#                                      XLA's command buffers (CUDA graphs) for every thunk kind:
+#                                      the 114M COAT step is host-bound (2026-12-03: 37 ms a step
+#                                      against 24.5 ms of device time, ~3,500 kernels a step)
+#   PART=27 bash bench/pending_gpu.sh  issue 24: Llama-114M's host dispatch beside its step time
+#                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16; COAT again
+#                                      with every thunk kind in command buffers)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -143,6 +151,31 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 }
 
 case "${PART:-1}" in
+27)
+  echo "== Llama-114M: host dispatch vs step time per policy (bench/host_dispatch.py)"
+  timeout 240 $PY bench/host_dispatch.py --config configs/llama_114m.py \
+    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw \
+    --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+  echo "== the same, COAT, every thunk kind in command buffers"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+    timeout 120 $PY bench/host_dispatch.py --config configs/llama_114m.py --policies coat+fp8_adamw \
+    --json "$OUT/host_dispatch_114m_all_command_buffers_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -3
+  ;;
+26)
+  all="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+  for policy in "coat fp8_adamw" "bf16 adamw"; do
+    set -- $policy
+    for flags in "" "--xla_gpu_enable_command_buffer=$all" \
+                 "--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"; do
+      echo "== Llama-114M, $1 + $2, 150 steps, XLA_FLAGS='$flags'"
+      rm -rf /tmp/p26
+      XLA_FLAGS="$flags" timeout 120 $PY train.py --config configs/llama_114m.py \
+        --config.steps=150 --config.precision=$1 --config.optimizer.name=$2 \
+        --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+        --config.workdir=/tmp/p26 2>&1 | grep -E "tokens_per_s|Error|error" | tail -2
+    done
+  done
+  ;;
 24)
   # the tree under test against baseline/ (git-ignored: the packages to compare against, made
   # with `mkdir baseline && git archive HEAD coat_jax pallas_kernels | tar -x -C baseline`
@@ -410,13 +443,16 @@ case "${PART:-1}" in
 9)
   run_114m() {  # tag, overrides...
     local tag=$1; shift
-    echo "== Llama-114M through train.py, 300 steps: $tag"
+    echo "== Llama-114M through train.py, 200 steps: $tag"
     rm -rf "/tmp/p9_$tag"
-    timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=300 \
+    timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=200 \
       --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
       --config.workdir="/tmp/p9_$tag" "$@" 2>&1 | grep -E "tokens_per_s|Error|error" | tail -3
     cp "/tmp/p9_$tag/metrics.jsonl" "$OUT/throughput_114m_${tag}_h200_$DAY.jsonl" 2>/dev/null
   }
+  # issue 24's baselines in the same call: BF16 + adamw and fp8_linear + adamw
+  run_114m bf16_adamw --config.precision=bf16 --config.optimizer.name=adamw
+  run_114m fp8_linear_adamw --config.precision=fp8_linear --config.optimizer.name=adamw
   run_114m coat_fp32_master --config.grad_dtype=float32
   # no lax.cond in this step (its non-finite guard is a select per array): if it is faster,
   # the guard's cond costs at 114M (e.g. by splitting XLA's command buffer)

@@ -1,0 +1,86 @@
+"""Whether a train step is bound by the host: how long the trainer's jitted step takes to return
+(the host enqueuing its kernels) beside how long it takes to finish, per policy.
+
+  PYTHONPATH=. python3 bench/host_dispatch.py --config configs/llama_114m.py \
+      [--policies coat+fp8_adamw,bf16+adamw] [--set KEY=VALUE ...] [--json out.json]
+
+The step is ``train.py``'s own (``coat_jax.training.run.assemble``), with XLA's flags as given
+(none changed, unlike ``bench/profile_step.py``, which turns command buffers off to trace).
+Per step, after ``--warmup`` steps: ``dispatch`` is the time from the call to its return with
+the device idle before it; ``step`` the time to the step's results. Under ``train.py``'s loop
+(which reads step ``n - 1``'s metrics after enqueuing step ``n``) a step takes about
+``max(dispatch, device time)``: where ``dispatch`` is near ``step``, the host binds and fewer or
+cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import jax
+from profile_step import add_config_args, load_config
+
+
+def time_policy(config_path: str, sets: list[str], warmup: int, steps: int) -> dict:
+    from coat_jax.training.run import assemble
+
+    run = assemble(load_config(config_path, sets))
+    with jax.set_mesh(run.placement.mesh):
+        params, opt_state = run.create()
+        tokens = jax.random.randint(jax.random.key(0), run.batch_shape(), 0, run.model.vocab_size)
+        batch = jax.device_put(tokens, run.placement.batch)
+        dispatch, total = [], []
+        for i in range(warmup + steps):
+            jax.block_until_ready((params, opt_state))
+            started = time.perf_counter()
+            params, opt_state, m = run.train_step(params, opt_state, batch)
+            returned = time.perf_counter()
+            jax.block_until_ready(m)
+            if i >= warmup:
+                dispatch.append(returned - started)
+                total.append(time.perf_counter() - started)
+    leaves = len(jax.tree.leaves((params, opt_state)))
+    return {"dispatch_ms": statistics.median(dispatch) * 1e3,
+            "step_ms": statistics.median(total) * 1e3, "state_leaves": leaves}  # fmt: skip
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_args(parser)
+    parser.add_argument("--policies", default="coat+fp8_adamw,bf16+adamw",
+                        help="comma-separated precision+optimizer pairs")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    policies = [p.split("+") for p in args.policies.split(",")]
+    if any(len(p) != 2 for p in policies):
+        parser.error(f"--policies {args.policies!r}: expected precision+optimizer[,...]")
+    rows = []
+    for precision, optimizer in policies:
+        sets = [*args.set, f"precision={precision}", f"optimizer.name={optimizer}"]
+        row = {"policy": f"{precision}+{optimizer}",
+               **time_policy(args.config, sets, args.warmup, args.steps)}  # fmt: skip
+        rows.append(row)
+        print(f"  {row}", flush=True)
+    device = jax.devices()[0]
+    print(f"\n{args.config} {' '.join(args.set)}, {device.device_kind}, jax {jax.__version__}")
+    print("| policy | host dispatch ms | step ms (dispatch to results) | dispatch / step | "
+          "state leaves |\n|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        print(f"| {r['policy']} | {r['dispatch_ms']:.2f} | {r['step_ms']:.2f} | "
+              f"{r['dispatch_ms'] / r['step_ms']:.0%} | {r['state_leaves']} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device.device_kind,
+                       "jax": jax.__version__, "config": args.config, "set": args.set,
+                       "rows": rows}, f, indent=2)  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
