@@ -2,15 +2,17 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): PART=16 (~6 min:
+# Next session, in this order (30 device minutes; a machine start costs 1-2): for the 114M
+# gap (issue 24), a trace of train.py's own loop at 114M (where its 30-43 ms go beyond the
+# step's 29.4, PART=27); PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=9 (~6 min: 114M
 # throughput), PART=22 E2E=1 (the block and the 7B step with BF16 GEMM products);
 # bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B
 # fp8_linear step at batch 4 with and without --xla_allow_excess_precision=false (4.1% faster on
 # the 2-layer step, PART=23). When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never
 # run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
-# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes) ran
-# 2026-12-03.
+# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes), PART=9,
+# 25, 26, 27 ran 2026-12-03.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -111,9 +113,9 @@
 #                                      (twice, interleaved), the 7B step at batch 4; one archive
 #                                      of the profiles (the device returns at most 8 files)
 #   PART=26 bash bench/pending_gpu.sh  issue 24: Llama-114M through train.py (COAT, BF16) with
-#                                      XLA's command buffers (CUDA graphs) for every thunk kind:
-#                                      the 114M COAT step is host-bound (2026-12-03: 37 ms a step
-#                                      against 24.5 ms of device time, ~3,500 kernels a step)
+#                                      XLA's command buffers (CUDA graphs) for every thunk kind
+#                                      (2026-12-03: no help; COAT 30-43 ms a step through
+#                                      train.py against 24.5 ms of device time)
 #   PART=27 bash bench/pending_gpu.sh  issue 24: Llama-114M's host dispatch beside its step time
 #                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16; COAT again
 #                                      with every thunk kind in command buffers)
