@@ -10,13 +10,16 @@ Per step, after ``--warmup`` steps: ``dispatch`` is the time from the call to it
 the device idle before it; ``step`` the time to the step's results. Under ``train.py``'s loop
 (which reads step ``n - 1``'s metrics after enqueuing step ``n``) a step takes about
 ``max(dispatch, device time)``: where ``dispatch`` is near ``step``, the host binds and fewer or
-cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``.
+cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``. ``--flat``
+adds a row per policy with the same step called on the flat list of its arrays
+(:func:`flat_step`): what flax NNX's Python pytree nodes cost the call.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import time
@@ -25,7 +28,20 @@ import jax
 from profile_step import add_config_args, load_config
 
 
-def time_policy(config_path: str, sets: list[str], warmup: int, steps: int) -> dict:
+def flat_step(train_step, treedef):
+    """``train_step`` on the flat list of ``(params, opt_state)``'s arrays: the same computation
+    (the inner jit inlines, its shardings kept), but the call passes plain arrays instead of
+    flax NNX ``Variable``s, which jit flattens and rebuilds through Python on every call."""
+
+    def step(leaves, batch):
+        params, opt_state, metrics = train_step(*jax.tree.unflatten(treedef, leaves), batch)
+        return jax.tree.leaves((params, opt_state)), metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
+                flat: bool = False) -> dict:  # fmt: skip
     from coat_jax.training.run import assemble
 
     run = assemble(load_config(config_path, sets))
@@ -33,19 +49,24 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int) -> d
         params, opt_state = run.create()
         tokens = jax.random.randint(jax.random.key(0), run.batch_shape(), 0, run.model.vocab_size)
         batch = jax.device_put(tokens, run.placement.batch)
+        state = (params, opt_state)
+        call = lambda state: (lambda p, s, m: ((p, s), m))(*run.train_step(*state, batch))
+        if flat:
+            state, treedef = jax.tree.flatten(state)
+            call = functools.partial(flat_step(run.train_step, treedef), batch=batch)
         dispatch, total = [], []
         for i in range(warmup + steps):
-            jax.block_until_ready((params, opt_state))
+            jax.block_until_ready(state)
             started = time.perf_counter()
-            params, opt_state, m = run.train_step(params, opt_state, batch)
+            state, m = call(state)
             returned = time.perf_counter()
             jax.block_until_ready(m)
             if i >= warmup:
                 dispatch.append(returned - started)
                 total.append(time.perf_counter() - started)
-    leaves = len(jax.tree.leaves((params, opt_state)))
     return {"dispatch_ms": statistics.median(dispatch) * 1e3,
-            "step_ms": statistics.median(total) * 1e3, "state_leaves": leaves}  # fmt: skip
+            "step_ms": statistics.median(total) * 1e3,
+            "state_leaves": len(jax.tree.leaves(state))}  # fmt: skip
 
 
 def main(argv=None):
@@ -55,6 +76,8 @@ def main(argv=None):
                         help="comma-separated precision+optimizer pairs")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--flat", action="store_true",
+                        help="also time each step called on the flat list of its arrays")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     policies = [p.split("+") for p in args.policies.split(",")]
@@ -63,10 +86,11 @@ def main(argv=None):
     rows = []
     for precision, optimizer in policies:
         sets = [*args.set, f"precision={precision}", f"optimizer.name={optimizer}"]
-        row = {"policy": f"{precision}+{optimizer}",
-               **time_policy(args.config, sets, args.warmup, args.steps)}  # fmt: skip
-        rows.append(row)
-        print(f"  {row}", flush=True)
+        for flat in (False, True) if args.flat else (False,):
+            row = {"policy": f"{precision}+{optimizer}" + (" (flat arrays)" if flat else ""),
+                   **time_policy(args.config, sets, args.warmup, args.steps, flat)}  # fmt: skip
+            rows.append(row)
+            print(f"  {row}", flush=True)
     device = jax.devices()[0]
     print(f"\n{args.config} {' '.join(args.set)}, {device.device_kind}, jax {jax.__version__}")
     print("| policy | host dispatch ms | step ms (dispatch to results) | dispatch / step | "

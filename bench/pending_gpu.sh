@@ -3,8 +3,9 @@
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2): for the 114M
-# gap (issue 24), a trace of train.py's own loop at 114M (where its 30-43 ms go beyond the
-# step's 29.4, PART=27); PART=16 (~6 min:
+# gap (issue 24), PART=27 again (now with --flat: does calling the step on plain arrays cut
+# its 14.5 ms dispatch as on the CPU?), then a trace of train.py's own loop at 114M (where its
+# 30-43 ms go beyond the step's 29.4); PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=9 (~6 min: 114M
 # throughput), PART=22 E2E=1 (the block and the 7B step with BF16 GEMM products);
 # bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B
@@ -117,8 +118,9 @@
 #                                      (2026-12-03: no help; COAT 30-43 ms a step through
 #                                      train.py against 24.5 ms of device time)
 #   PART=27 bash bench/pending_gpu.sh  issue 24: Llama-114M's host dispatch beside its step time
-#                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16; COAT again
-#                                      with every thunk kind in command buffers)
+#                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16, each also
+#                                      called on its flat arrays, --flat; COAT again with every
+#                                      thunk kind in command buffers; ran 2026-12-03 without --flat)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -156,7 +158,7 @@ case "${PART:-1}" in
 27)
   echo "== Llama-114M: host dispatch vs step time per policy (bench/host_dispatch.py)"
   timeout 240 $PY bench/host_dispatch.py --config configs/llama_114m.py \
-    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw \
+    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw --flat \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   echo "== the same, COAT, every thunk kind in command buffers"
   XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \

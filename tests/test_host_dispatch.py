@@ -3,7 +3,12 @@
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from coat_jax.training.run import assemble
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 
@@ -21,14 +26,37 @@ def test_smoke(bench, tmp_path):
     rows = bench.main(["--config", str(BENCH.parent / "configs" / "llama.py"), "--set",
                        "batch_size=2", "--set", "seq_len=32", "--policies",
                        "coat+fp8_adamw,bf16+adamw", "--warmup", "1", "--steps", "2",
-                       "--json", str(out)])  # fmt: skip
+                       "--flat", "--json", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
-    assert [r["policy"] for r in report["rows"]] == ["coat+fp8_adamw", "bf16+adamw"]
+    assert [r["policy"] for r in report["rows"]] == [
+        "coat+fp8_adamw", "coat+fp8_adamw (flat arrays)", "bf16+adamw", "bf16+adamw (flat arrays)"
+    ]
     for r in rows:
         assert 0 < r["dispatch_ms"] <= r["step_ms"]
         assert r["state_leaves"] > 10
     # the FP8 optimizer keeps codes, amax and k per moment: more arrays than adamw's two
-    assert rows[0]["state_leaves"] > rows[1]["state_leaves"]
+    assert rows[0]["state_leaves"] == rows[1]["state_leaves"] > rows[2]["state_leaves"]
+
+
+def test_the_flat_step_computes_the_same_step(bench):
+    """``--flat``'s rows time the trainer's own step: after two steps from the same state, the
+    flat call's arrays equal the NNX call's bit for bit (it is one computation)."""
+    sets = ["batch_size=2", "seq_len=32"]
+    run = assemble(bench.load_config(str(BENCH.parent / "configs" / "llama.py"), sets))
+    with jax.set_mesh(run.placement.mesh):
+        tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, run.model.vocab_size)
+        batch = jax.device_put(tokens, run.placement.batch)
+        state = run.create()
+        leaves, treedef = jax.tree.flatten(state)
+        leaves = [jnp.copy(x) for x in leaves]  # the NNX call donates the originals
+        for _ in range(2):
+            *state, m_nnx = run.train_step(*state, batch)
+        step = bench.flat_step(run.train_step, treedef)
+        for _ in range(2):
+            leaves, m_flat = step(leaves, batch)
+    for a, b in zip(jax.tree.leaves(state), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m_nnx["loss"]) == float(m_flat["loss"])
 
 
 def test_bad_policy_is_one_line(bench, capsys):
