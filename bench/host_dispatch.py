@@ -25,7 +25,7 @@ import statistics
 import time
 
 import jax
-from profile_step import add_config_args, load_config
+from profile_step import add_config_args, load_config, random_batch
 
 
 def flat_step(train_step, treedef):
@@ -46,11 +46,12 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
 
     run = assemble(load_config(config_path, sets))
     with jax.set_mesh(run.placement.mesh):
-        params, opt_state = run.create()
-        tokens = jax.random.randint(jax.random.key(0), run.batch_shape(), 0, run.model.vocab_size)
-        batch = jax.device_put(tokens, run.placement.batch)
-        state = (params, opt_state)
-        call = lambda state: (lambda p, s, m: ((p, s), m))(*run.train_step(*state, batch))
+        state, batch = run.create(), random_batch(run)
+
+        def call(state):
+            *state, metrics = run.train_step(*state, batch)
+            return state, metrics
+
         if flat:
             state, treedef = jax.tree.flatten(state)
             call = functools.partial(flat_step(run.train_step, treedef), batch=batch)

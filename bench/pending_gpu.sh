@@ -154,6 +154,9 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
     && rm -f hlo_*.txt.gz profile_*.json)
 }
 
+# every thunk kind XLA can capture in a command buffer (CUDA graph): PART=26, 27
+ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+
 case "${PART:-1}" in
 27)
   echo "== Llama-114M: host dispatch vs step time per policy (bench/host_dispatch.py)"
@@ -161,12 +164,12 @@ case "${PART:-1}" in
     --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw --flat \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   echo "== the same, COAT, every thunk kind in command buffers"
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=$ALL_COMMAND_BUFFERS" \
     timeout 120 $PY bench/host_dispatch.py --config configs/llama_114m.py --policies coat+fp8_adamw \
     --json "$OUT/host_dispatch_114m_all_command_buffers_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -3
   ;;
 26)
-  all="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+  all=$ALL_COMMAND_BUFFERS
   for policy in "coat fp8_adamw" "bf16 adamw"; do
     set -- $policy
     for flags in "" "--xla_gpu_enable_command_buffer=$all" \

@@ -76,6 +76,13 @@ def parse_args(argv=None):
     return args
 
 
+def random_batch(run, seed: int = 0):
+    """One batch of random tokens of the trainer's batch shape, placed as its step takes it."""
+    shape, vocab = run.batch_shape(), run.model.vocab_size
+    tokens = jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+    return jax.device_put(tokens, run.placement.batch)
+
+
 def load_config(path: str, sets: list[str]):
     from coat_jax.training import configs
 
@@ -309,8 +316,7 @@ def main(argv=None):
     with jax.set_mesh(run.placement.mesh):
         started = time.perf_counter()
         params, opt_state = run.create()
-        tokens = jax.random.randint(jax.random.key(0), run.batch_shape(), 0, run.model.vocab_size)
-        batch = jax.device_put(tokens, run.placement.batch)
+        batch = random_batch(run)
         result["init_s"] = time.perf_counter() - started
         started = time.perf_counter()
         compiled = run.train_step.lower(params, opt_state, batch).compile()

@@ -44,8 +44,7 @@ def test_the_flat_step_computes_the_same_step(bench):
     sets = ["batch_size=2", "seq_len=32"]
     run = assemble(bench.load_config(str(BENCH.parent / "configs" / "llama.py"), sets))
     with jax.set_mesh(run.placement.mesh):
-        tokens = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, run.model.vocab_size)
-        batch = jax.device_put(tokens, run.placement.batch)
+        batch = bench.random_batch(run, seed=1)
         state = run.create()
         leaves, treedef = jax.tree.flatten(state)
         leaves = [jnp.copy(x) for x in leaves]  # the NNX call donates the originals
