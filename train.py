@@ -35,7 +35,7 @@ from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, Stat
 from coat_jax.training.generate import eval_sampler
 from coat_jax.training.preemption import StopRequest
 from coat_jax.training.run import assemble
-from coat_jax.training.step import NonFiniteSteps, NonFiniteStepsError, global_batch
+from coat_jax.training.step import NonFiniteSteps, NonFiniteStepsError, frozen_heap, global_batch
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file.")
@@ -263,7 +263,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
     window_start, window_steps = time.perf_counter(), 0
     nonfinite = NonFiniteSteps(config.skip_nonfinite, log)
     done = start_step
-    with StopRequest(announce=log) as stop, stops_cleanly(ckpt):
+    with StopRequest(announce=log) as stop, stops_cleanly(ckpt), frozen_heap() as freeze_heap:
         for step in range(start_step, config.steps):
             batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
             params, opt_state, m = run.train_step(params, opt_state, batch)
@@ -273,6 +273,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
             if step == start_step:  # keep compilation out of the throughput numbers
                 jax.block_until_ready(m)
                 log(f"First step (with compilation): {time.perf_counter() - window_start:.0f} s")
+                freeze_heap()  # no full collections walking what compilation left behind
                 window_start, window_steps = time.perf_counter(), 0
             if done % config.log_interval == 0 or done == config.steps:
                 nonfinite.flush()
@@ -297,6 +298,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
                 if done % config.eval_interval == 0 or done == config.steps:
                     record["eval_loss"] = evaluate(run, params, sampler)
                     texts = samples(params, done) if samples else []
+                    freeze_heap()  # the eval step's and the sampler's compilations too
                 if is_main():
                     writer.write(record)
                 line = " ".join(

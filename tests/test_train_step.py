@@ -156,3 +156,40 @@ def test_bf16_gradients_sum_embedding_rows_in_fp32():
     table = f"{model_config.vocab_size},{model_config.dim}"
     assert ("f32", table) in scatters, scatters
     assert all(dtype == "f32" for dtype, _ in scatters), scatters
+
+
+class _Node:
+    """A Python object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def _dropped_cycle():
+    import weakref
+
+    node = _Node()
+    return weakref.ref(node)  # the cycle is unreachable once this returns
+
+
+def test_frozen_heap_keeps_setup_out_of_collections_and_frees_the_loop_s_cycles():
+    import gc
+    import weakref
+
+    from coat_jax.training.step import frozen_heap
+
+    before = gc.get_freeze_count()
+    with frozen_heap() as freeze:
+        setup = _Node()  # alive at the freeze: frozen
+        dropped_before = _dropped_cycle()  # garbage at the freeze: collected by it
+        freeze()
+        assert dropped_before() is None
+        assert gc.get_freeze_count() > before
+        setup_ref = weakref.ref(setup)
+        del setup  # a frozen cycle is not collected while the loop runs...
+        in_loop = _dropped_cycle()  # ...but what the loop allocates is
+        gc.collect()
+        assert in_loop() is None and setup_ref() is not None
+    assert gc.get_freeze_count() == 0  # ...and on exit everything returns to the collector
+    gc.collect()
+    assert setup_ref() is None
