@@ -10,9 +10,11 @@ Per step, after ``--warmup`` steps: ``dispatch`` is the time from the call to it
 the device idle before it; ``step`` the time to the step's results. Under ``train.py``'s loop
 (which reads step ``n - 1``'s metrics after enqueuing step ``n``) a step takes about
 ``max(dispatch, device time)``: where ``dispatch`` is near ``step``, the host binds and fewer or
-cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``. ``--flat``
-adds a row per policy with the same step called on the flat list of its arrays
-(:func:`flat_step`): what flax NNX's Python pytree nodes cost the call.
+cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``. ``loop`` is
+the mean time a step of ``--loop_steps`` back to back in that pattern (nothing else in the
+loop: no batch assembly, logging or progress bar), so ``train.py``'s ``step_ms`` above it is
+its loop's own work. ``--flat`` adds a row per policy with the same step called on the flat
+list of its arrays (:func:`flat_step`): what flax NNX's Python pytree nodes cost the call.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def flat_step(train_step, treedef):
 
 
 def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
-                flat: bool = False) -> dict:  # fmt: skip
+                flat: bool = False, loop_steps: int = 20) -> dict:  # fmt: skip
     from coat_jax.training.run import assemble
 
     run = assemble(load_config(config_path, sets))
@@ -65,8 +67,18 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
             if i >= warmup:
                 dispatch.append(returned - started)
                 total.append(time.perf_counter() - started)
+        jax.block_until_ready(state)
+        started, held = time.perf_counter(), None
+        for _ in range(loop_steps):  # train.py's pattern: read step n - 1 after enqueuing n
+            state, m = call(state)
+            if held is not None:
+                bool(held["skipped"])
+            held = m
+        jax.block_until_ready((state, held))
+        loop = (time.perf_counter() - started) / loop_steps
     return {"dispatch_ms": statistics.median(dispatch) * 1e3,
             "step_ms": statistics.median(total) * 1e3,
+            "loop_ms": loop * 1e3,
             "state_leaves": len(jax.tree.leaves(state))}  # fmt: skip
 
 
@@ -77,6 +89,8 @@ def main(argv=None):
                         help="comma-separated precision+optimizer pairs")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--loop_steps", type=int, default=20,
+                        help="steps back to back for the loop column")  # fmt: skip
     parser.add_argument("--flat", action="store_true",
                         help="also time each step called on the flat list of its arrays")
     parser.add_argument("--json")
@@ -89,16 +103,18 @@ def main(argv=None):
         sets = [*args.set, f"precision={precision}", f"optimizer.name={optimizer}"]
         for flat in (False, True) if args.flat else (False,):
             row = {"policy": f"{precision}+{optimizer}" + (" (flat arrays)" if flat else ""),
-                   **time_policy(args.config, sets, args.warmup, args.steps, flat)}  # fmt: skip
+                   **time_policy(args.config, sets, args.warmup, args.steps, flat,
+                                  args.loop_steps)}  # fmt: skip
             rows.append(row)
             print(f"  {row}", flush=True)
     device = jax.devices()[0]
     print(f"\n{args.config} {' '.join(args.set)}, {device.device_kind}, jax {jax.__version__}")
     print("| policy | host dispatch ms | step ms (dispatch to results) | dispatch / step | "
-          "state leaves |\n|---|---|---|---|---|")  # fmt: skip
+          "loop ms a step | state leaves |\n|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
         print(f"| {r['policy']} | {r['dispatch_ms']:.2f} | {r['step_ms']:.2f} | "
-              f"{r['dispatch_ms'] / r['step_ms']:.0%} | {r['state_leaves']} |")  # fmt: skip
+              f"{r['dispatch_ms'] / r['step_ms']:.0%} | {r['loop_ms']:.2f} | "
+              f"{r['state_leaves']} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "device": device.device_kind,

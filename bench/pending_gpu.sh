@@ -159,14 +159,26 @@ ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
 27)
-  echo "== Llama-114M: host dispatch vs step time per policy (bench/host_dispatch.py)"
-  timeout 240 $PY bench/host_dispatch.py --config configs/llama_114m.py \
-    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw --flat \
-    --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
-  echo "== the same, COAT, every thunk kind in command buffers"
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=$ALL_COMMAND_BUFFERS" \
-    timeout 120 $PY bench/host_dispatch.py --config configs/llama_114m.py --policies coat+fp8_adamw \
-    --json "$OUT/host_dispatch_114m_all_command_buffers_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -3
+  echo "== Llama-114M: host dispatch, step and back-to-back loop per policy, NNX State vs flat arrays"
+  timeout 420 $PY bench/host_dispatch.py --config configs/llama_114m.py \
+    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw --flat --loop_steps 50 \
+    --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
+  ;;
+28)
+  echo "== Llama-114M through train.py, 300 steps: before (baseline/train.py, carried) and after"
+  echo "   its heap was frozen after the first step (gc.freeze), alternating"
+  for policy in "coat fp8_adamw" "bf16 adamw"; do
+    set -- $policy
+    for script in baseline/train.py train.py baseline/train.py train.py; do
+      [ -f "$script" ] || continue
+      rm -rf /tmp/p27
+      echo "-- $1 + $2, $script"
+      timeout 100 $PY $script --config configs/llama_114m.py --config.steps=300 \
+        --config.precision=$1 --config.optimizer.name=$2 --config.log_interval=50 \
+        --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
+        --config.workdir=/tmp/p27 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-160 | tail -6
+    done
+  done
   ;;
 26)
   all=$ALL_COMMAND_BUFFERS
