@@ -30,16 +30,18 @@ import jax
 from profile_step import add_config_args, load_config, random_batch
 
 
-def flat_step(train_step, treedef):
+def flat_step(train_step, treedef, compiler_options=None):
     """``train_step`` on the flat list of ``(params, opt_state)``'s arrays: the same computation
-    (the inner jit inlines, its shardings kept), but the call passes plain arrays instead of
-    flax NNX ``Variable``s, which jit flattens and rebuilds through Python on every call."""
+    (its Python function jitted again with the same XLA options, arrays donated; a single
+    device's placement carries over from the inputs), but the call passes plain arrays instead
+    of flax NNX ``Variable``s, which jit flattens and rebuilds through Python on every call."""
+    inner = getattr(train_step, "__wrapped__", train_step)  # jax forbids options on nested jits
 
     def step(leaves, batch):
-        params, opt_state, metrics = train_step(*jax.tree.unflatten(treedef, leaves), batch)
+        params, opt_state, metrics = inner(*jax.tree.unflatten(treedef, leaves), batch)
         return jax.tree.leaves((params, opt_state)), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
@@ -56,7 +58,8 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
 
         if flat:
             state, treedef = jax.tree.flatten(state)
-            call = functools.partial(flat_step(run.train_step, treedef), batch=batch)
+            options = run.model.policy().compiler_options()
+            call = functools.partial(flat_step(run.train_step, treedef, options), batch=batch)
         dispatch, total = [], []
         for i in range(warmup + steps):
             jax.block_until_ready(state)
@@ -98,6 +101,8 @@ def main(argv=None):
     policies = [p.split("+") for p in args.policies.split(",")]
     if any(len(p) != 2 for p in policies):
         parser.error(f"--policies {args.policies!r}: expected precision+optimizer[,...]")
+    if args.flat and jax.device_count() > 1:
+        parser.error("--flat times one device's step (the flat call keeps no mesh shardings)")
     rows = []
     for precision, optimizer in policies:
         sets = [*args.set, f"precision={precision}", f"optimizer.name={optimizer}"]

@@ -161,7 +161,7 @@ case "${PART:-1}" in
 27)
   echo "== Llama-114M: host dispatch, step and back-to-back loop per policy, NNX State vs flat arrays"
   timeout 420 $PY bench/host_dispatch.py --config configs/llama_114m.py \
-    --policies coat+fp8_adamw,fp8_linear+adamw,bf16+adamw --flat --loop_steps 50 \
+    --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
 28)
@@ -419,6 +419,23 @@ case "${PART:-1}" in
   batch=$($PY -c "import json; from coat_jax.training import planner as p; t={b: json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)}; print(p.batch_on_curve(t, 132.8*2**30-p.MARGIN, 1, 2, None))")
   echo "== Llama-2-7B through train.py at batch $batch (the line's largest), every memory option"
   TRAIN_TIMEOUT=260 train_7b "$batch" memory_options "${MEMORY[@]/#/--config.}"
+  ;;
+29)
+  # issue 24's end-to-end target, one run after another in one call: each policy through
+  # train.py at its largest batch as measured (bf16 6, fp8_linear 6 on 2026-12-01; COAT 16 on
+  # 2026-12-02); BATCHES="bf16 fp8_linear coat" overrides
+  set -- ${BATCHES:-6 6 16}
+  for run in "bf16 adamw $1" "fp8_linear adamw $2" "coat fp8_adamw $3"; do
+    set -- $run
+    echo "== Llama-2-7B through train.py: $1 + $2 at batch $3, 12 steps"
+    rm -rf /tmp/p29
+    timeout 190 $PY train.py --config configs/llama2_7b.py --config.batch_size=$3 \
+      --config.steps=12 --config.precision=$1 --config.optimizer.name=$2 \
+      --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
+      --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p29 2>&1 \
+      | tee "$OUT/train_llama2_7b_${1}_b$3_h200_$DAY.txt" \
+      | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
+  done
   ;;
 18)
   echo "== Llama-2-7B, COAT's default step, through train.py at the planner's largest batch"

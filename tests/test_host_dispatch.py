@@ -51,7 +51,7 @@ def test_the_flat_step_computes_the_same_step(bench):
         leaves = [jnp.copy(x) for x in leaves]  # the NNX call donates the originals
         for _ in range(2):
             *state, m_nnx = run.train_step(*state, batch)
-        step = bench.flat_step(run.train_step, treedef)
+        step = bench.flat_step(run.train_step, treedef, run.model.policy().compiler_options())
         for _ in range(2):
             leaves, m_flat = step(leaves, batch)
     for a, b in zip(jax.tree.leaves(state), leaves, strict=True):
