@@ -164,10 +164,13 @@ case "${PART:-1}" in
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
-28)
+28|30)
+  # PART=30: COAT only, then PART=27's COAT rows (one call of ~7 minutes)
   echo "== Llama-114M through train.py, 300 steps: before (baseline/train.py, carried) and after"
   echo "   its heap was frozen after the first step (gc.freeze), alternating"
-  for policy in "coat fp8_adamw" "bf16 adamw"; do
+  policies=("coat fp8_adamw" "bf16 adamw")
+  [ "$PART" = 30 ] && policies=("coat fp8_adamw")
+  for policy in "${policies[@]}"; do
     set -- $policy
     for script in baseline/train.py train.py baseline/train.py train.py; do
       [ -f "$script" ] || continue
@@ -179,6 +182,12 @@ case "${PART:-1}" in
         --config.workdir=/tmp/p27 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-160 | tail -6
     done
   done
+  if [ "$PART" = 30 ]; then
+    echo "== Llama-114M, COAT: host dispatch, step and back-to-back loop, NNX State vs flat arrays"
+    timeout 200 $PY bench/host_dispatch.py --config configs/llama_114m.py \
+      --policies coat+fp8_adamw --flat --loop_steps 50 \
+      --json "$OUT/host_dispatch_114m_coat_flat_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -5
+  fi
   ;;
 26)
   all=$ALL_COMMAND_BUFFERS
