@@ -2,16 +2,18 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2): for the 114M
-# gap (issue 24), PART=27 again (now with --flat: does calling the step on plain arrays cut
-# its 14.5 ms dispatch as on the CPU?), then a trace of train.py's own loop at 114M (where its
-# 30-43 ms go beyond the step's 29.4); PART=16 (~6 min:
-# the compiled 7B step with and without fp8.saved_weights=requantize), PART=9 (~6 min: 114M
-# throughput), PART=22 E2E=1 (the block and the 7B step with BF16 GEMM products);
-# bench/peak_buffers.py with --set fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B
-# fp8_linear step at batch 4 with and without --xla_allow_excess_precision=false (4.1% faster on
-# the 2-layer step, PART=23). When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never
-# run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
+# Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
+# ~1.5): PART=30 (~7 min: train.py at 114M before/after the heap freeze, alternating, and the
+# COAT step called on flat arrays vs NNX State, with the back-to-back loop column; the
+# sixteenth session was lent no machine for it); if the flat loop is faster than NNX's on the
+# GPU, a train.py loop that carries plain arrays between checkpoints; PART=29 (~7 min: issue
+# 24's three policies through train.py at their largest batches, one call); then PART=16 (~6 min:
+# the compiled 7B step with and without fp8.saved_weights=requantize), PART=22 E2E=1 (the block
+# and the 7B step with BF16 GEMM products); bench/peak_buffers.py with --set
+# fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B fp8_linear step at batch 4 with
+# and without --xla_allow_excess_precision=false (4.1% faster on the 2-layer step, PART=23).
+# When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
+# `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
 # coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes), PART=9,
 # 25, 26, 27 ran 2026-12-03.
 #
@@ -165,7 +167,9 @@ case "${PART:-1}" in
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
 28|30)
-  # PART=30: COAT only, then PART=27's COAT rows (one call of ~7 minutes)
+  # PART=30: COAT only, then PART=27's COAT rows (one call of ~7 minutes). The "before" script
+  # (git-ignored, carried: carry ["baseline"]): mkdir -p baseline && git show
+  # a8cb4fc~1:train.py > baseline/train.py
   echo "== Llama-114M through train.py, 300 steps: before (baseline/train.py, carried) and after"
   echo "   its heap was frozen after the first step (gc.freeze), alternating"
   policies=("coat fp8_adamw" "bf16 adamw")
