@@ -10,7 +10,7 @@ source "$(dirname "$0")/gpu_env.sh"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 echo "== kernels vs XLA (8192 x 8192)"
-timeout 90 $PY bench/kernels.py --iters 10 --inner 10 --json "$OUT/kernels_h200_$DAY.json"
+timeout 90 $PY bench/quantize_kernels.py --iters 10 --inner 10 --json "$OUT/kernels_h200_$DAY.json"
 
 echo "== optimizer step, 1.01B params"
 timeout 90 $PY bench/optimizer.py --steps 10 --json "$OUT/optimizer_h200_$DAY.json"

@@ -1,6 +1,6 @@
 """Memory-bound kernels on the GPU: Pallas quantize kernels vs the XLA-compiled jnp reference.
 
-  python bench/kernels.py [--rows 8192 --cols 8192] [--json out.json]
+  python bench/quantize_kernels.py [--rows 8192 --cols 8192] [--json out.json]
 
 Rows "Pallas" are the Triton-backend kernels (pallas_kernels/quantize.py), "Pallas Mosaic GPU"
 the Mosaic GPU per-group quantize (pallas_kernels/quantize_mgpu.py, Hopper only).
@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     if not dispatch.hopper_gpu():
-        raise SystemExit("kernels.py: the Pallas kernels compile for a Hopper GPU only "
+        raise SystemExit("quantize_kernels.py: the Pallas kernels compile for a Hopper GPU only "
                          "(bench/kernel_sweep.py runs them interpreted anywhere)")  # fmt: skip
     n = args.rows * args.cols
     rows = []
