@@ -47,6 +47,7 @@ def flat_step(train_step, treedef, compiler_options=None):
 def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
                 flat: bool = False, loop_steps: int = 20) -> dict:  # fmt: skip
     from coat_jax.training.run import assemble
+    from coat_jax.training.step import NonFiniteSteps
 
     run = assemble(load_config(config_path, sets))
     with jax.set_mesh(run.placement.mesh):
@@ -71,13 +72,13 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
                 dispatch.append(returned - started)
                 total.append(time.perf_counter() - started)
         jax.block_until_ready(state)
-        started, held = time.perf_counter(), None
-        for _ in range(loop_steps):  # train.py's pattern: read step n - 1 after enqueuing n
+        nonfinite = NonFiniteSteps(run.config.skip_nonfinite)
+        started = time.perf_counter()
+        for i in range(loop_steps):  # train.py's pattern: read step n - 1 after enqueuing n
             state, m = call(state)
-            if held is not None:
-                bool(held["skipped"])
-            held = m
-        jax.block_until_ready((state, held))
+            nonfinite.record(i, m)
+        nonfinite.flush()
+        jax.block_until_ready(state)
         loop = (time.perf_counter() - started) / loop_steps
     return {"dispatch_ms": statistics.median(dispatch) * 1e3,
             "step_ms": statistics.median(total) * 1e3,

@@ -178,12 +178,12 @@ case "${PART:-1}" in
     set -- $policy
     for script in baseline/train.py train.py baseline/train.py train.py; do
       [ -f "$script" ] || continue
-      rm -rf /tmp/p27
+      rm -rf /tmp/p28
       echo "-- $1 + $2, $script"
       timeout 100 $PY $script --config configs/llama_114m.py --config.steps=300 \
         --config.precision=$1 --config.optimizer.name=$2 --config.log_interval=50 \
         --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
-        --config.workdir=/tmp/p27 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-160 | tail -6
+        --config.workdir=/tmp/p28 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-160 | tail -6
     done
   done
   if [ "$PART" = 30 ]; then
