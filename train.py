@@ -248,6 +248,9 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
     config, placement = run.config, run.placement
     writer = metrics.MetricsWriter(config.workdir)
     params, opt_state, start_step = restore(run, ckpt, latest, writer)
+    # The loop carries the flat list of their arrays (run.loop_step): trees only where needed
+    state = run.loop_step.flatten(params, opt_state)
+    del params, opt_state  # donated at the first step
     if is_main():
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
@@ -266,7 +269,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
     with StopRequest(announce=log) as stop, stops_cleanly(ckpt), frozen_heap() as freeze_heap:
         for step in range(start_step, config.steps):
             batch = global_batch(sampler, step, "train", batch_shape, placement.batch)
-            params, opt_state, m = run.train_step(params, opt_state, batch)
+            state, m = run.loop_step(state, batch)
             done = step + 1
             nonfinite.record(done, m)
             window_steps += 1
@@ -296,6 +299,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
                     record["peak_mem_gb"] = peak / 1e9
                 texts = []
                 if done % config.eval_interval == 0 or done == config.steps:
+                    params = run.loop_step.unflatten(state)[0]
                     record["eval_loss"] = evaluate(run, params, sampler)
                     texts = samples(params, done) if samples else []
                     freeze_heap()  # the eval step's and the sampler's compilations too
@@ -320,7 +324,7 @@ def train(run, ckpt, latest, sampler, samples=None) -> None:
             stopping = stop.should_stop() and done < config.steps
             if stopping or (interval and (done % interval == 0 or done == config.steps)):
                 nonfinite.flush()
-                ckpt.save(done, params, opt_state, dict(meta, data_position=done))
+                ckpt.save(done, *run.loop_step.unflatten(state), dict(meta, data_position=done))
             if stopping:
                 break
         nonfinite.flush()

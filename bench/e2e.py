@@ -253,10 +253,11 @@ def measure_policy(args, policy: str, fixed: dict | None = None) -> dict:
         result["runs"].append(b)
         tokens = jax.random.randint(jax.random.key(b), run.batch_shape(b), 0, run.model.vocab_size)
         tokens = jax.device_put(tokens, run.placement.batch)
-        step = lambda carry: run.train_step(carry[0], carry[1], tokens)
+        step = lambda carry: run.loop_step(carry[0], tokens)  # train.py's call
         try:
             with phase(f"run batch {b}"), jax.set_mesh(mesh):
-                timing, carry = measure.time_loop(step, (*state, None), warmup=args.warmup,
+                carry = (run.loop_step.flatten(*state), None)
+                timing, carry = measure.time_loop(step, carry, warmup=args.warmup,
                                                   iters=args.steps)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - only an out-of-memory is expected
             if not is_oom(e):
@@ -268,11 +269,11 @@ def measure_policy(args, policy: str, fixed: dict | None = None) -> dict:
         tokens_per_s = b * seq / (timing.median_ms / 1e3)
         row = {"batch": b, "oom": False, "step_s": timing.median_ms / 1e3,
                "step_s_min": timing.min_ms / 1e3, "tokens_per_s": tokens_per_s,
-               "tokens_per_s_per_device": tokens_per_s / n, "loss": float(carry[2]["loss"]),
+               "tokens_per_s_per_device": tokens_per_s / n, "loss": float(carry[1]["loss"]),
                "peak_bytes": measure.device_memory(devices).peak,
                "mfu": metrics.mfu(run.model, seq, tokens_per_s, n, run.config.peak_tflops),
                }  # fmt: skip
-        return row, carry[:2]
+        return row, run.loop_step.unflatten(carry[0])
 
     if fixed is None:  # the fixed batch, then exit (the search runs in a new process)
         with phase(f"compile batch {b0}"):

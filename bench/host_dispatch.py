@@ -13,35 +13,21 @@ the device idle before it; ``step`` the time to the step's results. Under ``trai
 cheaper launches, not faster kernels, would speed it up. Medians of ``--steps``. ``loop`` is
 the mean time a step of ``--loop_steps`` back to back in that pattern (nothing else in the
 loop: no batch assembly, logging or progress bar), so ``train.py``'s ``step_ms`` above it is
-its loop's own work. ``--flat`` adds a row per policy with the same step called on the flat
-list of its arrays (:func:`flat_step`): what flax NNX's Python pytree nodes cost the call.
+its loop's own work. ``--flat`` adds a row per policy with the step ``train.py`` calls
+(``Run.loop_step``: the same computation on the flat list of the state's arrays) beside the
+tree step (``Run.train_step``): what flax NNX's Python pytree nodes cost the call.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import statistics
 import time
 
 import jax
 from profile_step import add_config_args, load_config, random_batch
-
-
-def flat_step(train_step, treedef, compiler_options=None):
-    """``train_step`` on the flat list of ``(params, opt_state)``'s arrays: the same computation
-    (its Python function jitted again with the same XLA options, arrays donated; a single
-    device's placement carries over from the inputs), but the call passes plain arrays instead
-    of flax NNX ``Variable``s, which jit flattens and rebuilds through Python on every call."""
-    inner = getattr(train_step, "__wrapped__", train_step)  # jax forbids options on nested jits
-
-    def step(leaves, batch):
-        params, opt_state, metrics = inner(*jax.tree.unflatten(treedef, leaves), batch)
-        return jax.tree.leaves((params, opt_state)), metrics
-
-    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
@@ -58,9 +44,8 @@ def time_policy(config_path: str, sets: list[str], warmup: int, steps: int,
             return state, metrics
 
         if flat:
-            state, treedef = jax.tree.flatten(state)
-            options = run.model.policy().compiler_options()
-            call = functools.partial(flat_step(run.train_step, treedef, options), batch=batch)
+            state = run.loop_step.flatten(*state)
+            call = lambda leaves: run.loop_step(leaves, batch)
         dispatch, total = [], []
         for i in range(warmup + steps):
             jax.block_until_ready(state)
@@ -96,14 +81,12 @@ def main(argv=None):
     parser.add_argument("--loop_steps", type=int, default=20,
                         help="steps back to back for the loop column")  # fmt: skip
     parser.add_argument("--flat", action="store_true",
-                        help="also time each step called on the flat list of its arrays")
+                        help="also time train.py's step, on the flat list of the arrays")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     policies = [p.split("+") for p in args.policies.split(",")]
     if any(len(p) != 2 for p in policies):
         parser.error(f"--policies {args.policies!r}: expected precision+optimizer[,...]")
-    if args.flat and jax.device_count() > 1:
-        parser.error("--flat times one device's step (the flat call keeps no mesh shardings)")
     rows = []
     for precision, optimizer in policies:
         sets = [*args.set, f"precision={precision}", f"optimizer.name={optimizer}"]

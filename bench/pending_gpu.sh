@@ -166,6 +166,34 @@ case "${PART:-1}" in
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
+31)
+  # train.py's loop on flat arrays (Run.loop_step) at 114M: each policy through it, COAT also
+  # through the tree step it replaced (baseline/train.py, carried: mkdir -p baseline && git
+  # show 258739e:train.py > baseline/train.py), alternating; then the other policies' host
+  # dispatch rows (PART=30 measured COAT's)
+  echo "== Llama-114M through train.py, 300 steps, one run after another"
+  n=0
+  for run in "coat fp8_adamw baseline/train.py" "coat fp8_adamw train.py" "bf16 adamw train.py" \
+             "fp8_linear adamw train.py" "coat fp8_adamw train.py" "bf16 adamw train.py" \
+             "coat fp8_adamw baseline/train.py"; do
+    set -- $run
+    [ -f "$3" ] || continue
+    n=$((n + 1))
+    rm -rf /tmp/p31
+    echo "-- run $n: $1 + $2, $3"
+    timeout 100 $PY $3 --config configs/llama_114m.py --config.steps=300 \
+      --config.precision=$1 --config.optimizer.name=$2 --config.log_interval=50 \
+      --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
+      --config.workdir=/tmp/p31 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-120 | tail -6
+    tag=$([ "$3" = train.py ] && echo flat || echo tree)
+    cp /tmp/p31/metrics.jsonl "$OUT/throughput_114m_${1}_${tag}_run${n}_h200_$DAY.jsonl" 2>/dev/null
+  done
+  echo "== Llama-114M: host dispatch, step and back-to-back loop, tree vs flat (train.py's) call"
+  timeout 200 $PY bench/host_dispatch.py --config configs/llama_114m.py \
+    --policies bf16+adamw,fp8_linear+adamw --flat --loop_steps 50 \
+    --json "$OUT/host_dispatch_114m_bf16_fp8_linear_flat_h200_$DAY.json" 2>&1 \
+    | grep -v -i warn | tail -7
+  ;;
 28|30)
   # PART=30: COAT only, then PART=27's COAT rows (one call of ~7 minutes). The "before" script
   # (git-ignored, carried: carry ["baseline"]): mkdir -p baseline && git show

@@ -4,8 +4,6 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from coat_jax.training.run import assemble
@@ -41,26 +39,6 @@ def test_smoke(bench, tmp_path):
     assert rows[0]["state_leaves"] == rows[1]["state_leaves"] > len(
         jax.tree.leaves(bf16.abstract_state())
     )
-
-
-def test_the_flat_step_computes_the_same_step(bench):
-    """``--flat``'s rows time the trainer's own step: after two steps from the same state, the
-    flat call's arrays equal the NNX call's bit for bit (it is one computation)."""
-    sets = ["batch_size=2", "seq_len=32"]
-    run = assemble(bench.load_config(str(BENCH.parent / "configs" / "llama.py"), sets))
-    with jax.set_mesh(run.placement.mesh):
-        batch = bench.random_batch(run, seed=1)
-        state = run.create()
-        leaves, treedef = jax.tree.flatten(state)
-        leaves = [jnp.copy(x) for x in leaves]  # the NNX call donates the originals
-        for _ in range(2):
-            *state, m_nnx = run.train_step(*state, batch)
-        step = bench.flat_step(run.train_step, treedef, run.model.policy().compiler_options())
-        for _ in range(2):
-            leaves, m_flat = step(leaves, batch)
-    for a, b in zip(jax.tree.leaves(state), leaves, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert float(m_nnx["loss"]) == float(m_flat["loss"])
 
 
 def test_bad_policy_is_one_line(bench, capsys):

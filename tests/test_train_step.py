@@ -193,3 +193,28 @@ def test_frozen_heap_keeps_setup_out_of_collections_and_frees_the_loop_s_cycles(
     assert gc.get_freeze_count() == 0  # ...and on exit everything returns to the collector
     gc.collect()
     assert setup_ref() is None
+
+
+def test_the_loop_step_on_flat_arrays_is_the_tree_step():
+    """``Run.loop_step`` (what train.py calls) computes the tree step: after two steps from
+    the same state its arrays and loss equal ``Run.train_step``'s bit for bit; ``unflatten``
+    hands back the very arrays, and a state of another structure is refused in one line."""
+    from coat_jax.training.run import assemble
+
+    config = configs.load_file(str(ROOT / "configs" / "llama.py"))
+    config.update(batch_size=2, seq_len=32)
+    run = assemble(config)
+    with jax.set_mesh(run.placement.mesh):
+        batch = jax.random.randint(jax.random.key(1), run.batch_shape(), 0, 256)
+        state = run.create()
+        leaves = [jnp.copy(x) for x in run.loop_step.flatten(*state)]  # the tree call donates
+        for _ in range(2):
+            *state, m_tree = run.train_step(*state, batch)
+            leaves, m_flat = run.loop_step(leaves, batch)
+    for a, b in zip(jax.tree.leaves(state), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m_tree["loss"]) == float(m_flat["loss"])
+    params, opt_state = run.loop_step.unflatten(leaves)
+    assert all(a is b for a, b in zip(jax.tree.leaves((params, opt_state)), leaves, strict=True))
+    with pytest.raises(ValueError, match="structure other than the train step's"):
+        run.loop_step.flatten(params, None)

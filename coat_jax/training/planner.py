@@ -140,10 +140,11 @@ def memory_plan(run: Run, batch_size: int | None = None) -> dict:
 
 
 def _lowered(run: Run, batch_size: int | None):
-    """``run``'s train step lowered for a batch of ``batch_size`` (nothing runs)."""
+    """``run``'s train step, as ``train.py`` calls it (:attr:`Run.loop_step`), lowered for a
+    batch of ``batch_size`` (nothing runs)."""
     params, opt_state = run.abstract_state()
     with jax.set_mesh(run.placement.mesh):
-        return run.train_step.lower(params, opt_state, run.abstract_batch(batch_size))
+        return run.loop_step.lower(params, opt_state, run.abstract_batch(batch_size))
 
 
 def _compiled(run: Run, batch_size: int | None):
