@@ -166,6 +166,22 @@ case "${PART:-1}" in
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
+32)
+  # issue 24 at 114M, device time: COAT through train.py (flat loop) as is, with XLA keeping
+  # BF16 values BF16 between fusions, and with BF16 FP8-GEMM products; one call
+  echo "== Llama-114M, COAT through train.py, 150 steps, one run after another"
+  for run in "default|" "no excess precision|--xla_allow_excess_precision=false" \
+             "gemm_product=bf16|" ; do
+    name=${run%%|*}; flags=${run#*|}
+    extra=$([ "$name" = gemm_product=bf16 ] && echo --config.fp8.gemm_product=bf16)
+    rm -rf /tmp/p32
+    echo "-- $name"
+    XLA_FLAGS="$flags" timeout 80 $PY train.py --config configs/llama_114m.py --config.steps=150 \
+      --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+      --config.progress=False --config.workdir=/tmp/p32 $extra 2>&1 \
+      | grep -E "tokens_per_s|Error|error" | cut -c1-110 | tail -3
+  done
+  ;;
 31)
   # train.py's loop on flat arrays (Run.loop_step) at 114M: each policy through it, COAT also
   # through the tree step it replaced (baseline/train.py, carried: mkdir -p baseline && git
