@@ -3,19 +3,15 @@
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
-# ~1.5): PART=30 (~7 min: train.py at 114M before/after the heap freeze, alternating, and the
-# COAT step called on flat arrays vs NNX State, with the back-to-back loop column; the
-# sixteenth session was lent no machine for it); if the flat loop is faster than NNX's on the
-# GPU, a train.py loop that carries plain arrays between checkpoints; PART=29 (~7 min: issue
-# 24's three policies through train.py at their largest batches, one call); then PART=16 (~6 min:
+# ~1.5): bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
+# train.py on 2026-12-03, on the old loop too; it trained at 6 on 2026-12-01); PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=22 E2E=1 (the block
-# and the 7B step with BF16 GEMM products); bench/peak_buffers.py with --set
-# fp8.gemm_product=bf16 at batch 4 (why 1.8 GB more); the 7B fp8_linear step at batch 4 with
-# and without --xla_allow_excess_precision=false (4.1% faster on the 2-layer step, PART=23).
-# When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
-# `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
+# and the 7B step with BF16 GEMM products); the 7B fp8_linear step at batch 4 with and without
+# --xla_allow_excess_precision=false (4.1% faster on the 2-layer step, PART=23; at 114M COAT
+# unchanged, PART=32). When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on
+# GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
 # coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes), PART=9,
-# 25, 26, 27 ran 2026-12-03.
+# 25-27, 29-32 ran 2026-12-03.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -123,6 +119,15 @@
 #                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16, each also
 #                                      called on its flat arrays, --flat; COAT again with every
 #                                      thunk kind in command buffers; ran 2026-12-03 without --flat)
+#   PART=28 / 30 bash ...              Llama-114M through train.py before / after the heap
+#                                      freeze (baseline/ carried), alternating; PART=30 COAT only
+#                                      and its host_dispatch --flat rows
+#   PART=29 bash bench/pending_gpu.sh  issue 24: the three 7B policies through train.py at their
+#                                      largest batches (BATCHES="bf16 fp8_linear coat")
+#   PART=31 bash bench/pending_gpu.sh  train.py's flat-array loop at 114M, each policy, COAT also
+#                                      through the old loop (baseline/train.py), alternating
+#   PART=32 bash bench/pending_gpu.sh  114M COAT through train.py as is, without XLA's excess
+#                                      precision, with BF16 FP8-GEMM products
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
