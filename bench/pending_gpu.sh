@@ -3,7 +3,11 @@
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
-# ~1.5): bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
+# ~1.5): PART=33 (~4 min: 114M COAT with the fused quantize kernels and with the Pallas GEMM);
+# the 7B fp8_linear step at batch 5 through train.py on 4c81534 (2026-12-01, baseline/ by git
+# archive, PART=24's way) beside HEAD: FP8-linear and COAT at batch 5 ran 8% and 7% below the
+# issue's 2026-12-01 numbers (16,940 vs 18,410; 16,685 vs 17,900), BF16 within 2%;
+# bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
 # train.py on 2026-12-03, on the old loop too; it trained at 6 on 2026-12-01); PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=22 E2E=1 (the block
 # and the 7B step with BF16 GEMM products); the 7B fp8_linear step at batch 4 with and without
@@ -128,6 +132,8 @@
 #                                      through the old loop (baseline/train.py), alternating
 #   PART=32 bash bench/pending_gpu.sh  114M COAT through train.py as is, without XLA's excess
 #                                      precision, with BF16 FP8-GEMM products
+#   PART=33 bash bench/pending_gpu.sh  114M COAT through train.py as is, with the fused quantize
+#                                      kernels forced on, with the Pallas GEMM
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -170,6 +176,21 @@ case "${PART:-1}" in
   timeout 420 $PY bench/host_dispatch.py --config configs/llama_114m.py \
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
+  ;;
+33)
+  # issue 24 at 114M, fewer kernels a step: COAT through train.py as is, with the fused quantize
+  # kernels forced on (the norm / SwiGLU forwards quantizing inside the op; off under auto since
+  # a 7B block was no faster with them, never timed at 114M, where launches count), and with
+  # the Pallas per-tensor GEMM (fp8.gemm=pallas)
+  echo "== Llama-114M, COAT through train.py, 150 steps, one run after another"
+  for extra in "" "--config.fp8.fused_quantize=pallas" "--config.fp8.gemm=pallas" ""; do
+    rm -rf /tmp/p33
+    echo "-- ${extra:-as is}"
+    timeout 90 $PY train.py --config configs/llama_114m.py --config.steps=150 \
+      --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+      --config.progress=False --config.workdir=/tmp/p33 $extra 2>&1 \
+      | grep -E "tokens_per_s|Error|error" | cut -c1-110 | tail -3
+  done
   ;;
 32)
   # issue 24 at 114M, device time: COAT through train.py (flat loop) as is, with XLA keeping
