@@ -189,17 +189,18 @@ def make_train_step(
 
 def _jit_on_leaves(step, treedef, placement, compiler_options):
     """``step`` jitted on ``(leaves, batch) -> (leaves, metrics)``, the leaves those of
-    ``(params, opt_state)`` in ``treedef``'s order (donated, kept in ``placement``'s shards)."""
+    ``(params, opt_state)`` in ``treedef``'s order (donated, kept in ``placement``'s shards).
+    XLA names its module ``jit_step_on_leaves``: dumps filtered on ``step`` find it."""
 
-    def on_leaves(leaves, batch):
+    def step_on_leaves(leaves, batch):
         params, opt_state, metrics = step(*treedef.unflatten(leaves), batch)
         return treedef.flatten_up_to((params, opt_state)), metrics
 
     if placement is None:
-        return jax.jit(on_leaves, donate_argnums=0, compiler_options=compiler_options)
+        return jax.jit(step_on_leaves, donate_argnums=0, compiler_options=compiler_options)
     shards = treedef.flatten_up_to((placement.params, placement.opt_state))
     return jax.jit(
-        on_leaves,
+        step_on_leaves,
         in_shardings=(shards, placement.batch),
         out_shardings=(shards, placement.replicated),
         donate_argnums=0,
