@@ -177,32 +177,23 @@ case "${PART:-1}" in
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
     --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
-33)
-  # issue 24 at 114M, fewer kernels a step: COAT through train.py as is, with the fused quantize
-  # kernels forced on (the norm / SwiGLU forwards quantizing inside the op; off under auto since
-  # a 7B block was no faster with them, never timed at 114M, where launches count), and with
-  # the Pallas per-tensor GEMM (fp8.gemm=pallas)
+32|33)
+  # issue 24 at 114M, COAT's device time through train.py (150 steps, one run after another):
+  # PART=32: as is, with XLA keeping BF16 values BF16 between fusions, with BF16 FP8-GEMM
+  # products. PART=33, fewer kernels a step: with the fused quantize kernels forced on (the
+  # norm / SwiGLU forwards quantizing inside the op; off under auto since a 7B block was no
+  # faster with them, never timed at 114M, where launches count), with the Pallas per-tensor
+  # GEMM. Each run: name|XLA_FLAGS|train.py flags
+  runs=("as is||" "no excess precision|--xla_allow_excess_precision=false|"
+        "gemm_product=bf16||--config.fp8.gemm_product=bf16")
+  [ "$PART" = 33 ] && runs=("as is||" "fused quantize||--config.fp8.fused_quantize=pallas"
+                            "Pallas GEMM||--config.fp8.gemm=pallas" "as is||")
   echo "== Llama-114M, COAT through train.py, 150 steps, one run after another"
-  for extra in "" "--config.fp8.fused_quantize=pallas" "--config.fp8.gemm=pallas" ""; do
-    rm -rf /tmp/p33
-    echo "-- ${extra:-as is}"
-    timeout 90 $PY train.py --config configs/llama_114m.py --config.steps=150 \
-      --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-      --config.progress=False --config.workdir=/tmp/p33 $extra 2>&1 \
-      | grep -E "tokens_per_s|Error|error" | cut -c1-110 | tail -3
-  done
-  ;;
-32)
-  # issue 24 at 114M, device time: COAT through train.py (flat loop) as is, with XLA keeping
-  # BF16 values BF16 between fusions, and with BF16 FP8-GEMM products; one call
-  echo "== Llama-114M, COAT through train.py, 150 steps, one run after another"
-  for run in "default|" "no excess precision|--xla_allow_excess_precision=false" \
-             "gemm_product=bf16|" ; do
-    name=${run%%|*}; flags=${run#*|}
-    extra=$([ "$name" = gemm_product=bf16 ] && echo --config.fp8.gemm_product=bf16)
+  for run in "${runs[@]}"; do
+    IFS='|' read -r name flags extra <<< "$run"
     rm -rf /tmp/p32
     echo "-- $name"
-    XLA_FLAGS="$flags" timeout 80 $PY train.py --config configs/llama_114m.py --config.steps=150 \
+    XLA_FLAGS="$flags" timeout 90 $PY train.py --config configs/llama_114m.py --config.steps=150 \
       --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
       --config.progress=False --config.workdir=/tmp/p32 $extra 2>&1 \
       | grep -E "tokens_per_s|Error|error" | cut -c1-110 | tail -3
