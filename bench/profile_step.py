@@ -319,7 +319,7 @@ def main(argv=None):
         batch = random_batch(run)
         result["init_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        compiled = run.train_step.lower(params, opt_state, batch).compile()
+        compiled = run.loop_step.lower(params, opt_state, batch).compile()  # train.py's call
         result["compile_s"] = time.perf_counter() - started
         print(f"compiled in {result['compile_s']:.0f} s", flush=True)
         hlo = compiled.as_text()
@@ -328,8 +328,8 @@ def main(argv=None):
                 f.write(hlo)
         categories, kinds = hlo_categories(hlo), collective_kinds(hlo)
         signatures = hlo_signatures(hlo)
-        step = lambda carry: compiled(carry[0], carry[1], batch)
-        carry = (params, opt_state, None)
+        step = lambda carry: compiled(carry[0], batch)
+        carry = (run.loop_step.flatten(params, opt_state), None)
         for _ in range(args.warmup):  # untimed, outside the trace
             carry = jax.block_until_ready(step(carry))
         with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
