@@ -135,6 +135,9 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     import jax
 
+    # an executable from JAX's persistent cache is loaded, not compiled: XLA would dump nothing
+    jax.config.update("jax_enable_compilation_cache", False)
+
     from coat_jax.core import measure
     from coat_jax.training import allocator, planner
     from coat_jax.training.run import assemble

@@ -232,6 +232,7 @@ FSDP_GATHER_SCRIPT = textwrap.dedent(
         "--xla_force_host_platform_device_count=2 --xla_dump_to={dump} "
         "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached executable dumps nothing
     import jax
     from coat_jax.training import configs, planner
     from coat_jax.training.run import assemble
@@ -273,6 +274,7 @@ GRAD_REDUCE_SCRIPT = textwrap.dedent(
         "--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
         "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached executable dumps nothing
     import jax, jax.numpy as jnp
     from coat_jax.training import configs, planner
     from coat_jax.training.run import assemble
