@@ -4,8 +4,8 @@
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
 # ~1.5): PART=33 (~4 min: 114M COAT with the fused quantize kernels and with the Pallas GEMM);
-# the 7B fp8_linear step at batch 5 through train.py on 4c81534 (2026-12-01, baseline/ by git
-# archive, PART=24's way) beside HEAD: FP8-linear and COAT at batch 5 ran 8% and 7% below the
+# PART=34 (~9 min: the 7B fp8_linear step at batch 5 through train.py on 4c81534's whole tree,
+# 2026-12-01, beside HEAD; then POLICY=coat if fp8_linear differs): FP8-linear and COAT at batch 5 ran 8% and 7% below the
 # issue's 2026-12-01 numbers (16,940 vs 18,410; 16,685 vs 17,900), BF16 within 2%;
 # bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
 # train.py on 2026-12-03, on the old loop too; it trained at 6 on 2026-12-01); PART=16 (~6 min:
@@ -134,6 +134,9 @@
 #                                      precision, with BF16 FP8-GEMM products
 #   PART=33 bash bench/pending_gpu.sh  114M COAT through train.py as is, with the fused quantize
 #                                      kernels forced on, with the Pallas GEMM
+#   PART=34 bash bench/pending_gpu.sh  the 7B step through train.py on 4c81534's whole tree
+#                                      (baseline/, carried) and on HEAD, alternating
+#                                      (POLICY=fp8_linear|coat, BATCH=5)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -493,6 +496,26 @@ case "${PART:-1}" in
   batch=$($PY -c "import json; from coat_jax.training import planner as p; t={b: json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)}; print(p.batch_on_curve(t, 132.8*2**30-p.MARGIN, 1, 2, None))")
   echo "== Llama-2-7B through train.py at batch $batch (the line's largest), every memory option"
   TRAIN_TIMEOUT=260 train_7b "$batch" memory_options "${MEMORY[@]/#/--config.}"
+  ;;
+34)
+  # the 7B FP8 slowdown since 2026-12-01: train.py on the whole tree of 4c81534 (the commit the
+  # issue's 18,410 / 17,900 tokens/s were measured on) beside HEAD, alternating. baseline/ is
+  # git-ignored and carried (carry ["baseline"]): rm -rf baseline && mkdir baseline &&
+  # git archive 4c81534 | tar -x -C baseline. POLICY (default fp8_linear), BATCH (default 5).
+  [ -f baseline/train.py ] && [ -d baseline/coat_jax ] || { echo "PART=34 needs baseline/"; exit 1; }
+  policy=${POLICY:-fp8_linear}; batch=${BATCH:-5}
+  opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
+  for tree in baseline . baseline; do
+    echo "== Llama-2-7B through train.py on $tree: $policy + $opt at batch $batch, 12 steps"
+    rm -rf /tmp/p34
+    (cd "$tree" && PYTHONPATH="/tmp/site:." timeout 185 python3 train.py \
+      --config configs/llama2_7b.py --config.batch_size=$batch --config.steps=12 \
+      --config.precision=$policy --config.optimizer.name=$opt \
+      --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
+      --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p34 2>&1) \
+      | tee -a "$OUT/train_llama2_7b_${policy}_b${batch}_bisect_h200_$DAY.txt" \
+      | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
+  done
   ;;
 29)
   # issue 24's end-to-end target, one run after another in one call: each policy through
