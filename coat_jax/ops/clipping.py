@@ -42,8 +42,8 @@ class ClipByPreviousNormState(NamedTuple):
 
 
 def norm_fp32(tree) -> jax.Array:
-    """``optax.global_norm`` with every leaf read as fp32."""
-    return optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
+    """``optax.tree.norm`` (the global L2 norm) with every leaf read as fp32."""
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
 
 
 def clip_scale(norm, max_norm) -> jax.Array:

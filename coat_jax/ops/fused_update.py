@@ -15,7 +15,7 @@ How a trainer calls it (instead of ``opt.update`` + ``optax.apply_updates``)::
     adam = coat_jax.scale_by_fp8_adam(group_size=128)        # only the moment state
     state = adam.init(params)
     ...
-    scale = jnp.minimum(1.0, max_norm / optax.global_norm(grads))  # optional clipping
+    scale = jnp.minimum(1.0, max_norm / optax.tree.norm(grads))  # optional clipping
     params, state = fp8_adamw_update(params, grads, state, lr_schedule,
                                      weight_decay=0.1, mask=decay_mask, clip_scale=scale)
 

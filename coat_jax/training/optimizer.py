@@ -46,7 +46,7 @@ def _matrices(params):
 
 
 global_norm_fp32 = clipping.norm_fp32
-"""``optax.global_norm`` with every leaf read as fp32 (a bf16 gradient's squares summed in fp32;
+"""``optax.tree.norm`` with every leaf read as fp32 (a bf16 gradient's squares summed in fp32;
 XLA fuses the casts into the reduction, nothing is copied)."""
 
 
