@@ -16,6 +16,7 @@ from pallas_kernels import adam_step, adam_update, dispatch
 B1, B2, EPS, WD, LR = 0.9, 0.95, 1e-8, 0.1, 1e-2
 SHAPES = {"w": (16, 512), "ragged": (5, 130), "deep": (3, 4, 256), "scale": (64,)}
 MASK = {"w": True, "ragged": True, "deep": False, "scale": False}
+PARAM_TREE = jax.tree.structure(dict.fromkeys(SHAPES, 0))  # leaves in sorted(SHAPES) order
 
 
 def fresh(grad_dtype, steps=2, expansion=True, nu_format="e4m3"):
@@ -37,7 +38,7 @@ def fresh(grad_dtype, steps=2, expansion=True, nu_format="e4m3"):
 
 def leaf_moments(state, key):
     """``(mu, nu)`` of one parameter as the kernels take them (grouped QuantizedArrays)."""
-    flat_mu, flat_nu = adam_math.moments(state, jax.tree.structure(dict.fromkeys(SHAPES, 0)))
+    flat_mu, flat_nu = adam_math.moments(state, PARAM_TREE)
     i = sorted(SHAPES).index(key)
     return flat_mu[i], flat_nu[i]
 
@@ -90,10 +91,9 @@ def assert_states_close(got, want, exact: bool):
     refused because it looked for the groups on the state's flat leaves and found none."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
     np.testing.assert_array_equal(got.count, want.count)
-    treedef = jax.tree.structure(dict.fromkeys(SHAPES, 0))
     f32 = lambda x: np.asarray(x.astype(jnp.float32))
     for got_ms, want_ms in zip(
-        adam_math.moments(got, treedef), adam_math.moments(want, treedef), strict=True
+        adam_math.moments(got, PARAM_TREE), adam_math.moments(want, PARAM_TREE), strict=True
     ):
         for key, g, w in zip(sorted(SHAPES), got_ms, want_ms, strict=True):
             assert jax.tree.structure(g) == jax.tree.structure(w), key
