@@ -5,8 +5,9 @@
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
 # ~1.5): PART=33 (~4 min: 114M COAT with the fused quantize kernels and with the Pallas GEMM);
 # PART=34 (~9 min: the 7B fp8_linear step at batch 5 through train.py on 4c81534's whole tree,
-# 2026-12-01, beside HEAD; then POLICY=coat if fp8_linear differs): FP8-linear and COAT at batch 5 ran 8% and 7% below the
-# issue's 2026-12-01 numbers (16,940 vs 18,410; 16,685 vs 17,900), BF16 within 2%;
+# 2026-12-01, beside HEAD; then POLICY=coat if fp8_linear differs): FP8-linear and COAT at
+# batch 5 ran 8% and 7% below the issue's 2026-12-01 numbers (16,940 vs 18,410; 16,685 vs
+# 17,900), BF16 within 2%;
 # bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
 # train.py on 2026-12-03, on the old loop too; it trained at 6 on 2026-12-01); PART=16 (~6 min:
 # the compiled 7B step with and without fp8.saved_weights=requantize), PART=22 E2E=1 (the block
@@ -155,6 +156,20 @@ train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6
     --config.workdir=/tmp/train_7b "$@" 2>&1 \
     | tee "$OUT/$name.txt" | grep -E "peak|tokens_per_s|Error" | tail -2
   cp /tmp/train_7b/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
+}
+
+train_7b_policy() {  # tree, precision, optimizer, batch, log name: Llama-2-7B through the
+  # train.py of tree (. or baseline/, whose packages PYTHONPATH's "." then finds), 12 steps,
+  # default gradients; the log lands in $OUT/<log name>.txt (PART=29, 34)
+  local tree=$1 precision=$2 opt=$3 batch=$4 log=$5
+  echo "== Llama-2-7B through train.py on $tree: $precision + $opt at batch $batch, 12 steps"
+  rm -rf /tmp/train_7b_policy
+  (cd "$tree" && timeout 190 $PY train.py --config configs/llama2_7b.py \
+    --config.batch_size=$batch --config.steps=12 --config.precision=$precision \
+    --config.optimizer.name=$opt --config.optimizer.warmup_steps=2 --config.log_interval=4 \
+    --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
+    --config.workdir=/tmp/train_7b_policy 2>&1) \
+    | tee "$OUT/$log.txt" | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
 }
 
 profile_2l() {  # tag, precision, optimizer: a 2-layer 7B step at batch 4, by op, with its HLO
@@ -505,16 +520,11 @@ case "${PART:-1}" in
   [ -f baseline/train.py ] && [ -d baseline/coat_jax ] || { echo "PART=34 needs baseline/"; exit 1; }
   policy=${POLICY:-fp8_linear}; batch=${BATCH:-5}
   opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
+  run=0
   for tree in baseline . baseline; do
-    echo "== Llama-2-7B through train.py on $tree: $policy + $opt at batch $batch, 12 steps"
-    rm -rf /tmp/p34
-    (cd "$tree" && PYTHONPATH="/tmp/site:." timeout 185 python3 train.py \
-      --config configs/llama2_7b.py --config.batch_size=$batch --config.steps=12 \
-      --config.precision=$policy --config.optimizer.name=$opt \
-      --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
-      --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p34 2>&1) \
-      | tee -a "$OUT/train_llama2_7b_${policy}_b${batch}_bisect_h200_$DAY.txt" \
-      | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
+    run=$((run + 1))
+    train_7b_policy "$tree" "$policy" "$opt" "$batch" \
+      "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo base)_h200_$DAY"
   done
   ;;
 29)
@@ -524,14 +534,7 @@ case "${PART:-1}" in
   set -- ${BATCHES:-6 6 16}
   for run in "bf16 adamw $1" "fp8_linear adamw $2" "coat fp8_adamw $3"; do
     set -- $run
-    echo "== Llama-2-7B through train.py: $1 + $2 at batch $3, 12 steps"
-    rm -rf /tmp/p29
-    timeout 190 $PY train.py --config configs/llama2_7b.py --config.batch_size=$3 \
-      --config.steps=12 --config.precision=$1 --config.optimizer.name=$2 \
-      --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
-      --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p29 2>&1 \
-      | tee "$OUT/train_llama2_7b_${1}_b$3_h200_$DAY.txt" \
-      | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
+    train_7b_policy . "$1" "$2" "$3" "train_llama2_7b_${1}_b$3_h200_$DAY"
   done
   ;;
 18)
