@@ -138,6 +138,10 @@
 #   PART=34 bash bench/pending_gpu.sh  the 7B step through train.py on 4c81534's whole tree
 #                                      (baseline/, carried) and on HEAD, alternating
 #                                      (POLICY=fp8_linear|coat, BATCH=5)
+#   PART=35 bash bench/pending_gpu.sh  where PART=34's 6% went: the 2-layer 7B step's per-op
+#                                      profile (bench/profile_step.py, batch 5) on baseline/
+#                                      (BASELINE=another baseline*/ tree) and on HEAD,
+#                                      alternating (POLICY=fp8_linear|coat)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -516,15 +520,33 @@ case "${PART:-1}" in
   # the 7B FP8 slowdown since 2026-12-01: train.py on the whole tree of 4c81534 (the commit the
   # issue's 18,410 / 17,900 tokens/s were measured on) beside HEAD, alternating. baseline/ is
   # git-ignored and carried (carry ["baseline"]): rm -rf baseline && mkdir baseline &&
-  # git archive 4c81534 | tar -x -C baseline. POLICY (default fp8_linear), BATCH (default 5).
-  [ -f baseline/train.py ] && [ -d baseline/coat_jax ] || { echo "PART=34 needs baseline/"; exit 1; }
+  # git archive 4c81534 | tar -x -C baseline. POLICY (default fp8_linear), BATCH (default 5),
+  # BASELINE (default baseline: another git-ignored baseline*/ tree).
+  base=${BASELINE:-baseline}
+  [ -f "$base/train.py" ] && [ -d "$base/coat_jax" ] || { echo "PART=34 needs $base/"; exit 1; }
   policy=${POLICY:-fp8_linear}; batch=${BATCH:-5}
   opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
   run=0
-  for tree in baseline . baseline; do
+  for tree in "$base" . "$base"; do
     run=$((run + 1))
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
-      "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo base)_h200_$DAY"
+      "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
+  done
+  ;;
+35)
+  base=${BASELINE:-baseline}
+  [ -f "$base/bench/profile_step.py" ] || { echo "PART=35 needs $base/"; exit 1; }
+  policy=${POLICY:-fp8_linear}
+  opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
+  run=0
+  for tree in "$base" . "$base" .; do
+    run=$((run + 1))
+    tag=$([ "$tree" = . ] && echo head || echo "$base")
+    echo "== 2-layer Llama-2-7B step, batch 5, $policy + $opt, on $tree"
+    (cd "$tree" && timeout 130 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=5 \
+      --set precision=$policy --set optimizer.name=$opt --top 400 \
+      --json "$OUT/profile_7b_2layers_${policy}_b5_bisect${run}_${tag}_h200_$DAY.json" 2>&1) \
+      | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
   done
   ;;
 29)

@@ -235,10 +235,13 @@ def encode(x, fmt: Fp8Format, expand: bool, *, per_group: bool = True, amax=None
     x = x.astype(jnp.float32)
 
     def cast(scaled):
-        # x - x is 0, or NaN where x is not finite: added after the clip (Triton's clip drops
-        # NaN), it marks non-finite elements without a mask (a select that XLA's GPU fusion
-        # materialised as an extra array, 30% slower)
-        return (jnp.clip(scaled, -fmt.max, fmt.max) + (x - x)).astype(fmt.dtype)
+        # scaled - scaled is 0, or NaN where x is not finite (a finite x scales to at most
+        # fmt.max: amax is its finite maximum): added after the clip (Triton's clip drops NaN),
+        # it marks non-finite elements without a mask (a select that XLA's GPU fusion
+        # materialised as an extra array, 30% slower). Not x - x: a third read of x made XLA
+        # materialise a transposed fp32 copy of each weight before its quantize fusion (7B
+        # FP8-linear step 6% slower on an H200, 2026-12-04)
+        return (jnp.clip(scaled, -fmt.max, fmt.max) + (scaled - scaled)).astype(fmt.dtype)
 
     if expand:
         amax, amin = expansion.group_range(x, axis=axes)
