@@ -3,20 +3,19 @@
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
-# ~1.5): PART=33 (~4 min: 114M COAT with the fused quantize kernels and with the Pallas GEMM);
-# PART=34 (~9 min: the 7B fp8_linear step at batch 5 through train.py on 4c81534's whole tree,
-# 2026-12-01, beside HEAD; then POLICY=coat if fp8_linear differs): FP8-linear and COAT at
-# batch 5 ran 8% and 7% below the issue's 2026-12-01 numbers (16,940 vs 18,410; 16,685 vs
-# 17,900), BF16 within 2%;
-# bench/peak_buffers.py for fp8_linear + adamw at batch 6 (it ran out of memory through
-# train.py on 2026-12-03, on the old loop too; it trained at 6 on 2026-12-01); PART=16 (~6 min:
-# the compiled 7B step with and without fp8.saved_weights=requantize), PART=22 E2E=1 (the block
-# and the 7B step with BF16 GEMM products); the 7B fp8_linear step at batch 4 with and without
-# --xla_allow_excess_precision=false (4.1% faster on the 2-layer step, PART=23; at 114M COAT
-# unchanged, PART=32). When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on
-# GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
-# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=7 (both recipes), PART=9,
-# 25-27, 29-32 ran 2026-12-03.
+# ~1.5): PART=37 (~3 min: the fused moment kernel's compiled non-finite tests, with tracebacks,
+# on HEAD and on the tree before 63a0407's kernel rewrite, baseline_head/ = git archive
+# 63a0407~1: four failed on 2026-12-04 in the call that ran the encode fix with `scaled -
+# scaled` on the expanded path too, since put back to `x - x`; HEAD passing means the fix broke
+# them there, HEAD failing and 63a0407~1 passing means the rewrite did); PART=36's COAT row beside
+# fp8_linear (PART=29 BATCHES="6 5 16": the largest-batch table after the fix); the
+# remaining 2% of the 7B fp8_linear step against 4c81534 (4c81534 had no non-finite guard:
+# `bench/step_guard.py --policies fp8_linear+adamw=5`, on 2026-12-01 1.018x for BF16, then
+# PART=34 again); bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16;
+# PART=22 E2E=1; 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false.
+# When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
+# `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
+# coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=33-36 ran 2026-12-04.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -142,6 +141,14 @@
 #                                      profile (bench/profile_step.py, batch 5) on baseline/
 #                                      (BASELINE=another baseline*/ tree) and on HEAD,
 #                                      alternating (POLICY=fp8_linear|coat)
+#   PART=36 bash bench/pending_gpu.sh  issue 20: the block-scaled GEMM with two 128-K blocks a
+#                                      pipeline step (tile_k=256, the first's promotion
+#                                      overlapping the second's wgmma): compiled tests, every
+#                                      candidate timed; the GPU non-finite tests of the FP8
+#                                      encode; then COAT's 7B step at batch 5 through train.py
+#   PART=37 bash bench/pending_gpu.sh  the fused moment kernel's compiled non-finite tests
+#                                      (tracebacks) on HEAD, then on baseline_head/ (the tree
+#                                      before the kernel's rewrite: git archive 63a0407~1)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -532,6 +539,24 @@ case "${PART:-1}" in
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
       "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
   done
+  ;;
+37)
+  for tree in . baseline_head; do
+    [ -d "$tree/coat_jax" ] || { echo "PART=37 needs $tree/"; continue; }
+    echo "== compiled non-finite tests of the fused moment kernel on $tree"
+    (cd "$tree" && timeout 150 $PY -m pytest -q -p no:cacheprovider --tb=short -m gpu \
+      tests/test_optim_nonfinite.py 2>&1) | grep -v -i warn | tail -40
+  done
+  ;;
+36)
+  echo "== gpu tests: the block-scaled GEMM (every candidate config), the FP8 encode's non-finite"
+  timeout 150 $PY -m pytest -q -m gpu -k "block_scaled or nonfinite or non_finite" \
+    tests/test_pallas_fp8_matmul.py tests/test_optim_nonfinite.py tests/test_gpu.py 2>&1 | tail -8
+  echo "== block-scaled GEMM: each candidate beside the per-tensor kernel and cuBLASLt FP8"
+  timeout 200 $PY bench/gemm.py --iters 20 --block_configs --shapes 8192x4096x11008,8192x4096x4096 \
+    --only "(N, K) weight,Pallas per-tensor,block-scaled #" \
+    --json "$OUT/gemm_block_scaled_2blocks_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+  train_7b_policy . coat fp8_adamw 5 "train_llama2_7b_coat_b5_h200_$DAY"
   ;;
 35)
   base=${BASELINE:-baseline}

@@ -39,13 +39,14 @@ stages the output through shared memory and TMA-stores it.
 Limits: the wrapper pads M, N (to the CTA tile) and K (to ``tile_k``) with zeros when they are
 not multiples, and slices the result: one extra copy of each padded operand (``M K`` and ``N K``
 bytes) and of the output; shapes that are multiples cost nothing. The fused epilogue needs
-``N % 16 == 0`` (else the reference runs); block scaling needs ``tile_k == 128`` and
-``tile_n == 128`` per warpgroup (one weight block per warpgroup). Kernels compile only on a
-Hopper GPU with jax >= 0.11 (Mosaic GPU, mixed E4M3/E5M2 ``wgmma``); the ``*_reference``
-functions are the specification and run anywhere.
+``N % 16 == 0`` (else the reference runs); block scaling needs ``tile_n == 128`` per
+warpgroup (one weight block per warpgroup) and ``tile_k`` of one or two 128-K blocks. Kernels
+compile only on a Hopper GPU with jax >= 0.11 (Mosaic GPU, mixed E4M3/E5M2 ``wgmma``); the
+``*_reference`` functions are the specification and run anywhere.
 
-Options tried on the H200 and removed (two-accumulator promotion, row-major group maxima):
-docs/pallas-backends.md.
+Options tried on the H200 and removed (promotion overlapped with the next pipeline step's
+``wgmma``, row-major group maxima): docs/pallas-backends.md; two blocks within a step (kept):
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class GemmConfig:
       tile_m, tile_n: output tile of one compute warpgroup (``tile_m % 64 == 0``,
         ``tile_n % 8 == 0`` and ``<= 256``, the ``wgmma`` limits).
       tile_k: K per pipeline step, a multiple of 128 (one 128-byte swizzle row of FP8).
+        Block-scaled, 256: two 128-K blocks a step, each into its own accumulator, both
+        ``wgmma`` issued before the first is waited on, so that the first block's promotion
+        runs while the tensor core works on the second (three ``tile_m x tile_n`` fp32
+        accumulators per warpgroup: 2 compute warpgroups only).
       max_concurrent_steps: depth of the TMA pipeline (shared memory: ``steps x (cta_m + cta_n)
         x tile_k`` bytes).
       wg_split: ``"n"``: the compute warpgroups sit side by side in N (CTA tile
@@ -149,8 +154,13 @@ class GemmConfig:
             raise ValueError(f"{self}: wg_split and grid_minor are 'm' or 'n'")
         if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
             raise ValueError(f"{self}: epilogue tiles must divide the warpgroup tile")
-        if variant == "block_scaled" and (self.tile_k != BLOCK or self.tile_n != BLOCK):
-            raise ValueError(f"{self}: block scaling needs tile_k == tile_n == {BLOCK}")
+        if variant == "block_scaled" and (self.tile_k not in (BLOCK, 2 * BLOCK)
+                                          or self.tile_n != BLOCK):  # fmt: skip
+            raise ValueError(f"{self}: block scaling needs tile_n == {BLOCK} and tile_k "
+                             f"{BLOCK} or {2 * BLOCK}")  # fmt: skip
+        if variant == "block_scaled" and self.tile_k > BLOCK and self.compute_wgs != 2:
+            raise ValueError(f"{self}: block scaling with tile_k > {BLOCK} holds three "
+                             "accumulators per thread: 2 compute warpgroups only")  # fmt: skip
         if variant == "quantize_1x16" and self.tile_n % GROUP:
             raise ValueError(f"{self}: the 1x16 epilogue needs tile_n % {GROUP} == 0")
 
@@ -160,8 +170,13 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
     if variant == "block_scaled":
         # 64-row warpgroup tiles: 128-row ones ran at 430-520 TFLOP/s on an H200 (2026-12-02,
         # gemm_block_scaled_h200_2026-12-02.json) against 1,070-1,100. A third warpgroup only
-        # stacked in M (a TMA box is at most 256 rows of B); it passed its GPU test, untimed.
+        # stacked in M (a TMA box is at most 256 rows of B). First (the default under jit):
+        # two 128-K blocks a step, CTA 128x128: 1,181 / 1,169 TFLOP/s at 8192x4096x{11008,
+        # 4096} against 1,040-1,108 for one block a step; three warpgroups 1,233 / 1,076; two
+        # blocks with a 64x256 CTA 1,043 / 1,046, dropped (H200, 2026-12-04,
+        # gemm_block_scaled_2blocks_h200_2026-12-04.json).
         raw = [
+            GemmConfig(64, 128, 256, 3, "m"),
             GemmConfig(64, 128, 128, 6, "m"),
             GemmConfig(64, 128, 128, 6, "n"),
             GemmConfig(64, 128, 128, 6, "n", b_scales_in_smem=False),
@@ -210,7 +225,7 @@ def smem_bytes(config: GemmConfig, variant: str, out_dtype) -> int:
     c = config
     step = (c.cta_m + c.cta_n) * c.tile_k
     if variant == "block_scaled":  # the K step's fp32 scales: rows of A (and columns of B)
-        step += 4 * (c.cta_m + (c.cta_n if c.b_scales_in_smem else 0))
+        step += 4 * (c.tile_k // BLOCK) * (c.cta_m + (c.cta_n if c.b_scales_in_smem else 0))
     wgs = c.compute_wgs
     if variant == "quantize_1x16":
         epilogue = wgs * (c.tile_m * c.tile_n + (c.tile_n // GROUP) * c.tile_m * 4) + 16 * c.tile_m
@@ -366,6 +381,7 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     block = variant == "block_scaled"
     quant = variant == "quantize_1x16"
     sb_in_smem = block and cfg.b_scales_in_smem
+    blocks = tile_k // BLOCK  # block-scaled: 128-K blocks per pipeline step, one scale each
     wgs = cfg.compute_wgs
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     n_epi = (tile_m // epi_m) * (tile_n // epi_n)
@@ -386,11 +402,11 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
             ]  # fmt: skip
             if block:  # the K step's activation scales for the CTA's rows: one TMA box
                 in_specs.append(
-                    plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
+                    plgpu.BlockSpec((blocks, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
                 )
             if sb_in_smem:  # and the weight's, one per column of the CTA
                 in_specs.append(
-                    plgpu.BlockSpec((1, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
+                    plgpu.BlockSpec((blocks, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
                 )
             return plgpu.emit_pipeline_warp_specialized(
                 body,
@@ -439,17 +455,20 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                     z = jnp.zeros((tile_m, tile_n), jnp.float32)
                     return plgpu.layout_cast(z, plgpu.Layout.WGMMA)
 
-                def mma(a_smem, b_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].transpose((1, 0)))
+                def mma(a_smem, b_smem, acc_ref, ks=slice(None)):
+                    a_tile = a_smem.at[wg_rows].at[:, ks]
+                    b_tile = b_smem.at[wg_cols].at[:, ks]
+                    plgpu.wgmma(acc_ref, a_tile, b_tile.transpose((1, 0)))
 
-                def step_scale(kk, sa_smem, sb_smem=None):
-                    """The K step's promotion multipliers of this warpgroup's rows, (tile_m,):
-                    its activation scales times the weight block's scale."""
-                    sa_rows = sa_smem.at[0, wg_rows] if split_m else sa_smem.at[0]
+                def step_scale(kk, j, sa_smem, sb_smem=None):
+                    """Block ``j`` of K step ``kk``: the promotion multipliers of this
+                    warpgroup's rows, (tile_m,), its activation scales times the weight
+                    block's scale."""
+                    sa_rows = sa_smem.at[j, wg_rows] if split_m else sa_smem.at[j]
                     row_scale = mgpu.load(sa_rows, plgpu.Layout.WGMMA.reduce(1))
                     if sb_smem is None:
-                        return row_scale * sb_gmem[lax.div(col0, BLOCK), kk]
-                    return row_scale * sb_smem[0, 0 if split_m else wg * tile_n]
+                        return row_scale * sb_gmem[lax.div(col0, BLOCK), kk * blocks + j]
+                    return row_scale * sb_smem[j, 0 if split_m else wg * tile_n]
 
                 def promote(total, part, scale):
                     return total + part * lax.broadcast_in_dim(scale, (tile_m, tile_n), (0,))
@@ -459,15 +478,22 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                     def body(idx, a_smem, b_smem, *scales_and_carry):
                         (kk,) = idx
                         *scale_smem, carry = scales_and_carry
-                        # loaded before the wgmma is waited on: their latency hides behind it
-                        scale = step_scale(kk, *scale_smem)
 
-                        def step(part_ref):  # a fresh fp32 accumulator per 128 of K
-                            mma(a_smem, b_smem, part_ref)
-                            return part_ref[...]
+                        def step(*part_refs):  # a fresh fp32 accumulator per 128 of K
+                            for j, part_ref in enumerate(part_refs):  # all issued at once
+                                mma(a_smem, b_smem, part_ref, pl.ds(j * BLOCK, BLOCK))
+                            # loaded before the wgmma is waited on: their latency hides behind it
+                            scales = [step_scale(kk, j, *scale_smem) for j in range(blocks)]
+                            total = carry
+                            for j, part_ref in enumerate(part_refs):  # block j's promotion
+                                # overlaps the tensor core's work on the later blocks
+                                later = blocks - 1 - j  # wgmma left in flight
+                                part = plgpu.wgmma_accumulator_load(part_ref, wait_n=later)
+                                total = promote(total, part, scales[j])
+                            return total
 
-                        part = pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
-                        return promote(carry, part, scale)
+                        acc = plgpu.ACC((tile_m, tile_n), jnp.float32)
+                        return pl.run_scoped(step, *([acc] * blocks))
 
                     def compute(eval_pipeline):
                         _epilogue(eval_pipeline(zeros()))
@@ -568,6 +594,8 @@ def _run(a, b, s1, s2, *, variant, out_dtype, config, shape):
     a_p, b_p = _pad2(a, mp, kp), _pad2(b, np_, kp)
     call = _build_kernel(variant, mp, np_, kp, a.dtype, b.dtype, out_dtype, config)
     if variant == "block_scaled":
+        # kp is a multiple of tile_k: whole K steps of scales (1.0 over padded K, whose codes
+        # are zeros)
         sa_t = _pad2(s1.astype(jnp.float32), mp, kp // BLOCK, 1.0).T  # (K/128, Mp)
         sb = _pad2(s2.astype(jnp.float32), np_ // BLOCK, kp // BLOCK, 1.0)
         if config.b_scales_in_smem:  # (K/128, Np): each block's scale over its 128 columns

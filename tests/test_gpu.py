@@ -97,3 +97,27 @@ def test_fp8_gemm_matches_fp32_dot_of_dequantized_operands(shape):
     # Hopper's FP8 tensor cores accumulate with ~14 significant bits (the reason DeepSeek-V3
     # promotes partial sums to fp32 every 128 of K): ~2e-3 relative at K = 4096, not fp32's 1e-6.
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 5e-3
+
+
+@pytest.mark.parametrize(("fmt", "group_size", "expand"),
+                         [("e4m3", None, False), ("e5m2", None, False), ("e4m3", 16, False),
+                          ("e4m3", 16, True)])  # fmt: skip
+def test_jitted_quantize_keeps_non_finite_elements(fmt, group_size, expand):
+    """XLA's GPU clip turns NaN into a bound: the encode marks non-finite elements after it,
+    so they decode to NaN, and every finite element decodes as if they were zeros (left out of
+    its group's or tensor's maximum)."""
+    x = jax.random.normal(jax.random.key(np.random.default_rng().integers(1 << 30)), (64, 256))
+    x = 3.0 * x
+    bad = (np.array([3, 10, 40, 63]), np.array([5, 17, 200, 255]))
+    broken = x.at[bad].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf, jnp.nan]))
+
+    @jax.jit
+    def roundtrip(v):
+        return dequantize(quantize(v, fmt, group_size=group_size, expand=expand))
+
+    got = np.asarray(roundtrip(broken))
+    want = np.asarray(roundtrip(x.at[bad].set(0.0)))
+    assert np.isnan(got[bad]).all()
+    finite = np.ones(x.shape, bool)
+    finite[bad] = False
+    np.testing.assert_array_equal(got[finite], want[finite])
