@@ -9,9 +9,8 @@
 # scaled` on the expanded path too, since put back to `x - x`; HEAD passing means the fix broke
 # them there, HEAD failing and 63a0407~1 passing means the rewrite did); PART=36's COAT row beside
 # fp8_linear (PART=29 BATCHES="6 5 16": the largest-batch table after the fix); the
-# remaining 2% of the 7B fp8_linear step against 4c81534 (4c81534 had no non-finite guard:
-# `bench/step_guard.py --policies fp8_linear+adamw=5`, on 2026-12-01 1.018x for BF16, then
-# PART=34 again); bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16;
+# remaining 2% of the 7B fp8_linear step against 4c81534 (PART=38 ~4 min: 4c81534 had no
+# non-finite guard, on 2026-12-01 1.018x for BF16; then PART=34 again); bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16;
 # PART=22 E2E=1; 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false.
 # When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
 # `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
@@ -149,6 +148,8 @@
 #   PART=37 bash bench/pending_gpu.sh  the fused moment kernel's compiled non-finite tests
 #                                      (tracebacks) on HEAD, then on baseline_head/ (the tree
 #                                      before the kernel's rewrite: git archive 63a0407~1)
+#   PART=38 bash bench/pending_gpu.sh  the non-finite guard's cost on the 7B FP8-linear step at
+#                                      batch 5 (bench/step_guard.py; 4c81534 had none)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -539,6 +540,11 @@ case "${PART:-1}" in
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
       "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
   done
+  ;;
+38)
+  echo "== the non-finite guard on the 7B FP8-linear step, batch 5: compiled memory, step ms"
+  timeout 540 $PY bench/step_guard.py --policies fp8_linear+adamw=5 --rounds 3 \
+    --json "$OUT/step_guard_llama2_7b_fp8_linear_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
 37)
   for tree in . baseline_head; do

@@ -27,6 +27,7 @@ from coat_jax.training.run import assemble
 
 POLICY_KEYS = {
     "bf16+adamw": {"precision": "bf16", "optimizer.name": "adamw"},
+    "fp8_linear+adamw": {"precision": "fp8_linear", "optimizer.name": "adamw"},
     "coat+fp8_adamw": {"precision": "coat", "optimizer.name": "fp8_adamw"},
 }
 
