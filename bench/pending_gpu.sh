@@ -11,7 +11,9 @@
 # fp8_linear (PART=29 BATCHES="6 5 16": the largest-batch table after the fix); the
 # remaining 2% of the 7B fp8_linear step against 4c81534 (PART=38 ~4 min: 4c81534 had no
 # non-finite guard, on 2026-12-01 1.018x for BF16; then PART=34 again); bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16;
-# PART=22 E2E=1; 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false.
+# PART=22 E2E=1; 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false;
+# PART=36 again (~4 min; its COAT row can be cut): the block-scaled candidate with a 64x32
+# epilogue tile and three 256-K pipeline steps, never compiled yet (issue 20).
 # When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
 # `bench/e2e.py --fsdp 2 --batch 8 --no_search --policies
 # coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak). PART=33-36 ran 2026-12-04.

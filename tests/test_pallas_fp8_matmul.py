@@ -134,7 +134,7 @@ def test_config_checks_and_candidates():
     for variant in fm.VARIANTS:
         cands = fm.config_candidates(variant)
         assert cands and len(set(cands)) == len(cands)
-        assert len(cands) == (5 if variant == "block_scaled" else 6), (variant, cands)
+        assert len(cands) == 6, (variant, cands)
         for c in cands:
             c.check(variant)
     assert fm.default_config("per_tensor") == fm.DEFAULT_CONFIG
