@@ -10,8 +10,9 @@
 # them there, HEAD failing and 63a0407~1 passing means the rewrite did); PART=36's COAT row beside
 # fp8_linear (PART=29 BATCHES="6 5 16": the largest-batch table after the fix); the
 # remaining 2% of the 7B fp8_linear step against 4c81534 (PART=38 ~4 min: 4c81534 had no
-# non-finite guard, on 2026-12-01 1.018x for BF16; then PART=34 again); bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16;
-# PART=22 E2E=1; 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false;
+# non-finite guard, on 2026-12-01 1.018x for BF16; then PART=34 again);
+# bench/peak_buffers.py for fp8_linear + adamw at batch 6; PART=16; PART=22 E2E=1;
+# 7B fp8_linear at batch 4 with and without --xla_allow_excess_precision=false;
 # PART=36 again (~4 min; its COAT row can be cut): the block-scaled candidate with a 64x32
 # epilogue tile and three 256-K pipeline steps, never compiled yet (issue 20).
 # When nvidia-h200-x2 is lent: the Pallas GEMM on each shard (never run on GPUs yet),
@@ -192,6 +193,10 @@ profile_2l() {  # tag, precision, optimizer: a 2-layer 7B step at batch 4, by op
   timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=4 \
     --set precision=$2 --set optimizer.name=$3 --top 400 --json "$OUT/$name.json" \
     --hlo "$OUT/hlo_${name#profile_}.txt.gz" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+}
+
+policy_optimizer() {  # precision -> the optimizer it trains with in the issues' tables
+  [ "$1" = coat ] && echo fp8_adamw || echo adamw
 }
 
 profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as one archive
@@ -535,7 +540,7 @@ case "${PART:-1}" in
   base=${BASELINE:-baseline}
   [ -f "$base/train.py" ] && [ -d "$base/coat_jax" ] || { echo "PART=34 needs $base/"; exit 1; }
   policy=${POLICY:-fp8_linear}; batch=${BATCH:-5}
-  opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
+  opt=$(policy_optimizer "$policy")
   run=0
   for tree in "$base" . "$base"; do
     run=$((run + 1))
@@ -570,7 +575,7 @@ case "${PART:-1}" in
   base=${BASELINE:-baseline}
   [ -f "$base/bench/profile_step.py" ] || { echo "PART=35 needs $base/"; exit 1; }
   policy=${POLICY:-fp8_linear}
-  opt=$([ "$policy" = coat ] && echo fp8_adamw || echo adamw)
+  opt=$(policy_optimizer "$policy")
   run=0
   for tree in "$base" . "$base" .; do
     run=$((run + 1))
