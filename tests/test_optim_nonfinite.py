@@ -16,9 +16,11 @@ import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from triton_semantics import eval_like_triton
 
 import coat_jax
-from coat_jax.core import adam, quant
+from coat_jax.core import adam, formats, quant
+from pallas_kernels import adam_step
 
 LR = 1e-2
 STEPS = 6
@@ -164,3 +166,48 @@ def test_random_special_values_like_adamw(seed, cells, step):
     rows, cols, values = (np.array(c) for c in zip(*cells, strict=True))
     rng = np.random.default_rng(seed)
     assert_like_adamw(run_both(gradients(rng, step, (rows, cols), values)))
+
+
+def _same_bits(a, b):
+    """Bit-identical, except that any NaN matches any NaN (sign and payload may differ)."""
+    a, b = np.asarray(a), np.asarray(b)
+    nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    bits = lambda x: x.view(np.uint8).reshape(*x.shape, -1)[~nan_a]
+    return a.dtype == b.dtype and np.array_equal(nan_a, nan_b) and np.array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("expanded", [True, False], ids=["expanded", "plain"])
+def test_moment_kernel_math_does_not_lean_on_nan_propagating_max(expanded):
+    """The per-tile math the moment kernels trace gives the same bits when ``max`` / ``min``
+    drop NaN as Pallas Triton's lowering does (``tests/triton_semantics.py``): interpret mode
+    on the CPU uses XLA's NaN-propagating ``max`` and cannot see the difference, the H200 did
+    (a NaN second moment decoded as a finite one, 2026-12-04)."""
+    rng = np.random.default_rng()
+    e4m3, e5m2 = formats.get_format("e4m3"), formats.get_format("e5m2")
+    shape = (8, 128)
+
+    def stored(x, fmt):
+        return quant.encode(jnp.asarray(x), fmt, expanded)
+
+    m = rng.standard_normal(shape).astype(np.float32) * 1e-3
+    v = rng.standard_normal(shape).astype(np.float32) ** 2 * 1e-6
+    g = rng.standard_normal(shape).astype(np.float32)
+    special = [np.nan, np.inf, -np.inf, 1e30, 3e38, 1e-40, 0.0]
+    for x in (m, v, g):  # a few specials in random rows, some rows left clean
+        cells = rng.choice(x.size, size=len(special), replace=False)
+        x.reshape(-1)[cells] = special
+    v = np.where(v < 0, -v, v)  # second moments are >= 0 (and NaN / +inf)
+    coeffs = adam.coefficients(0.9, 0.999, 1e-8, 0.0, 3)
+
+    def tile(g, m_state, v_state):
+        return adam_step.moment_update(g, m_state, v_state, coeffs, mu_fmt=e4m3, nu_fmt=e5m2,
+                                       expanded=expanded, math=adam_step.KernelMath())  # fmt: skip
+
+    args = (jnp.asarray(g), stored(m, e4m3), stored(v, e5m2))
+    xla, triton = jax.tree.leaves(tile(*args)), jax.tree.leaves(eval_like_triton(tile, *args))
+    assert len(xla) == len(triton)
+    for a, b in zip(xla, triton, strict=True):
+        assert _same_bits(a, b), (np.asarray(a), np.asarray(b))
+    # and the NaN codes survive: the stored v is non-finite where the decoded input was NaN
+    u = np.asarray(xla[0])
+    assert np.isnan(u).any()

@@ -161,7 +161,10 @@ def expanded_decode(
     # decades) decodes to the smallest normal (or amax, if smaller), not to a denormal that
     # XLA flushes to 0: found by tests/test_quant.py's hypothesis run ([1.0, 1.86e-38], e4m3).
     floor = jnp.where(a > 0, jnp.minimum(_TINY, amax), 0.0)
-    magnitude = jnp.maximum(magnitude, floor)
+    # a select, not jnp.maximum: Pallas Triton lowers max to IEEE maxNum, which returns the
+    # floor for a NaN code's NaN magnitude (the fused moment kernel read a NaN second moment
+    # as a finite one on the H200, 2026-12-04; tests/triton_semantics.py)
+    magnitude = jnp.where(magnitude < floor, floor, magnitude)
     return jnp.where(q < 0, -magnitude, magnitude)
 
 
