@@ -170,15 +170,16 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
     if variant == "block_scaled":
         # 64-row warpgroup tiles: 128-row ones ran at 430-520 TFLOP/s on an H200 (2026-12-02,
         # gemm_block_scaled_h200_2026-12-02.json) against 1,070-1,100. A third warpgroup only
-        # stacked in M (a TMA box is at most 256 rows of B). First (the default under jit):
-        # two 128-K blocks a step, CTA 128x128: 1,181 / 1,169 TFLOP/s at 8192x4096x{11008,
-        # 4096} against 1,040-1,108 for one block a step; three warpgroups 1,233 / 1,076; two
-        # blocks with a 64x256 CTA 1,043 / 1,046, dropped (H200, 2026-12-04,
-        # gemm_block_scaled_2blocks_h200_2026-12-04.json). That config fits two 256-K steps
-        # in shared memory with BF16 out; a 64x32 epilogue tile frees room for a third (untimed).
+        # stacked in M (a TMA box is at most 256 rows of B). Two 128-K blocks a step, CTA
+        # 128x128: 1,181 / 1,169 TFLOP/s at 8192x4096x{11008, 4096} against 1,040-1,108 for
+        # one block a step; three warpgroups 1,233 / 1,076; two blocks with a 64x256 CTA
+        # 1,043 / 1,046, dropped (H200, 2026-12-04, gemm_block_scaled_2blocks_h200_2026-12-04
+        # .json). First (the default under jit): the same with a 64x32 epilogue tile, whose
+        # freed shared memory holds a third 256-K step: 1,213 / 1,208 against 1,174 / 1,171
+        # in one later call (..._2026-12-04b.json).
         raw = [
-            GemmConfig(64, 128, 256, 3, "m"),
             GemmConfig(64, 128, 256, 3, "m", epi_tile_n=32),
+            GemmConfig(64, 128, 256, 3, "m"),
             GemmConfig(64, 128, 128, 6, "m"),
             GemmConfig(64, 128, 128, 6, "n"),
             GemmConfig(64, 128, 128, 6, "n", b_scales_in_smem=False),
