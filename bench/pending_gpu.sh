@@ -553,6 +553,18 @@ case "${PART:-1}" in
   timeout 540 $PY bench/step_guard.py --policies fp8_linear+adamw=5 --rounds 3 \
     --json "$OUT/step_guard_llama2_7b_fp8_linear_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
+39)
+  # CI has no GPU: every gpu-marked test, then the optimizer and kernel test files whole (on a
+  # Hopper GPU their default dispatch takes the compiled kernels, so the same tests check them)
+  echo "== pytest -m gpu (every gpu-marked test)"
+  timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short -n 4 -m gpu tests/ 2>&1 \
+    | grep -v -i warn | tee "$OUT/pytest_gpu_marked_h200_$DAY.txt" | tail -25
+  echo "== the optimizer / kernel test files, whole, on the GPU"
+  timeout 260 $PY -m pytest -q -p no:cacheprovider --tb=short -n 4 tests/test_pallas_adam_step.py \
+    tests/test_pallas_adam_update.py tests/test_optim.py tests/test_optim_nonfinite.py \
+    tests/test_fp8_state.py tests/test_update_in_backward.py 2>&1 | grep -v -i warn \
+    | tee "$OUT/pytest_optimizer_files_h200_$DAY.txt" | tail -25
+  ;;
 37)
   for tree in . baseline_head; do
     [ -d "$tree/coat_jax" ] || { echo "PART=37 needs $tree/"; continue; }
