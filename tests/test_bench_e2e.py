@@ -4,13 +4,13 @@ are tests/test_bench_fidelity.py."""
 
 import json
 import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -32,13 +32,13 @@ FAST = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def run(script, *args, env=None, check=True):
-    base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR}  # train.py's defaults
+    base = {k: v for k, v in child_env(JAX_PLATFORMS="cpu").items() if k not in ALLOCATOR}
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=base | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | (env or {}),
+        env=base | (env or {}),  # without ALLOCATOR: train.py's defaults
     )
     if not check:
         return out

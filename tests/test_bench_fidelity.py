@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -223,13 +224,13 @@ def test_mean_band_over_seeds():
 
 
 def run(*args, env=None):
-    base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR}  # train.py's defaults
+    base = {k: v for k, v in child_env(JAX_PLATFORMS="cpu").items() if k not in ALLOCATOR}
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "fidelity.py"), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=base | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | (env or {}),
+        env=base | (env or {}),  # without ALLOCATOR: train.py's defaults
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -43,7 +44,7 @@ def test_a_tiny_steps_peak_is_named_buffer_by_buffer(tmp_path):
          os.path.join(ROOT, "configs", "llama_tiny.py"), "--set", "batch_size=2", "--top", "5",
          "--dump_dir", str(tmp_path / "dump"), "--json", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True,
-        env=os.environ | {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+        env=child_env(JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     report = json.loads(out.read_text())
     analysis = report["memory_analysis"]

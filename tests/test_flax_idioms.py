@@ -3,7 +3,6 @@
 names on 8 virtual CPU devices, ``optax.inject_hyperparams``, plain orbax checkpoints, and the
 snippets of README's "Using fp8_adamw in your code" section."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -15,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from child_env import child_env
 from flax import nnx
 
 import coat_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EIGHT_DEVICES = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT_DEVICES = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 
 def _run_python(code: str, cwd=None) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ rows stop at EOS, bad input is one line, and the command line end to end on a tr
 
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_env import child_env
 from flax import nnx
 
 from coat_jax.models.llama import Llama
@@ -219,8 +219,7 @@ def test_eval_sample_keys_are_validated(key, value, match):
 
 
 def subprocess_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
-    return dict(env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return child_env(drop_prefix="XLA_PYTHON_CLIENT_", JAX_PLATFORMS="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ package roots must import nothing of the project at module level (``coat_jax/__i
 loads its public names on first use)."""
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_importing_a_layer_loads_no_higher_layer():
             assert not higher, (layer, higher)
             print("layer", layer, "ok")
     """)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -54,7 +54,11 @@ def model_and_tokens(precision, vocab=512, seq=48):
     return cfg, graph, params, tokens
 
 
-@pytest.mark.parametrize("precision,grad_tol", [("fp32", 1e-5), ("coat", 1e-2)])
+# fp32: 3.1e-5 on an H200 (2026-12-04; XLA:GPU orders the chunked sums apart), 1e-6 on the CPU
+FP32_TOL = 1e-5 if jax.default_backend() == "cpu" else 1e-4
+
+
+@pytest.mark.parametrize("precision,grad_tol", [("fp32", FP32_TOL), ("coat", 1e-2)])
 def test_model_loss_is_the_same_with_chunks(precision, grad_tol):
     """``LlamaConfig.loss_chunk``: the same loss (1e-6) and gradients; with BF16 compute the
     head's gradient is rounded to BF16 per chunk instead of once (about 2^-9 relative)."""

@@ -10,7 +10,6 @@ in ``test_hf_llama``); an fp32 export reloaded by transformers within 1e-4 max a
 
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from child_env import child_env
 from flax import nnx
 
 from coat_jax.models import hf_llama, llama
@@ -359,7 +359,7 @@ def test_train_from_an_olmo_folder_and_export(good_olmo, tmp_path):
            "--config.checkpoint_interval=2", "--config.eval_interval=2",
            "--config.log_interval=1"]  # fmt: skip
     # the CPU: a GPU is held by this pytest process (train.py would preallocate beside it)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = json.loads((run / "config.json").read_text())["model"]

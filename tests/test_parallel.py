@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from child_env import child_env
 
 from coat_jax.training import configs, data, parallel
 
@@ -37,7 +38,7 @@ def launch(workdir, mesh, *extra, devices=8, env_extra=None):
     # Runs of the same program (a resumed run and the run it resumes) share their compiles.
     cache = pathlib.Path(workdir).parent / "xla_cache"
     cmd += [f"--config.compile_cache_dir={cache}"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
+    env = child_env(JAX_PLATFORMS="cpu", **(env_extra or {}))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

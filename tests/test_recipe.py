@@ -52,7 +52,8 @@ def test_fp8_policies_compile_gemms_without_triton_on_a_gpu(monkeypatch):
     """FP8 steps on a GPU ask XLA for cuBLASLt GEMMs only (unless the recipe allows Triton);
     BF16 and other backends keep the defaults; the option reaches jax.jit (a GPU-only XLA
     option compiles on the CPU too)."""
-    assert get_policy("coat").compiler_options() is None  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert get_policy("coat").compiler_options() is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     want = {"xla_gpu_enable_triton_gemm": False}
     assert get_policy("coat").compiler_options() == want

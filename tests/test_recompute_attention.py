@@ -46,10 +46,15 @@ def test_recomputed_attention_gives_the_same_gradients_and_saves_less(policy):
         grads.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, params))
         saved.append(_saved_activation_bytes(loss, x, params))
     for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:  # XLA:GPU fuses the two programs apart: fp32 grads 1e-4 apart on an H200
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * np.abs(b).max())
     assert saved[1] < saved[0], saved
 
 
+@pytest.mark.xla_cpu  # the CPU's attention residuals (cuDNN's differ, see below)
 def test_coat_saves_the_block_input_instead_of_q_k_v_and_the_norms_copy():
     """Per token, COAT saves ``q, k, v`` in BF16 and the pre-norm's input as FP8 1x16 groups
     with an fp32 scale each; recomputing saves the BF16 block input instead (the CPU's

@@ -80,11 +80,13 @@ def test_scaled_matmul_is_the_exact_product_of_the_dequantized_operands(scaling,
     a = scaled_gemm.quantize_operand(jax.random.normal(ka, (m, k)), e4m3, scaling, "activation")
     b = scaled_gemm.quantize_operand(jax.random.normal(kb, (n, k)) * 1e-3, e4m3, scaling,
                                      "weight")  # fmt: skip
-    want = np.asarray(scaled_gemm.dequantize_operand(a), np.float64) @ np.asarray(
-        scaled_gemm.dequantize_operand(b), np.float64
-    ).T
+    da, db = (np.asarray(scaled_gemm.dequantize_operand(x), np.float64) for x in (a, b))
+    want = da @ db.T
     got = np.asarray(scaled_gemm.scaled_matmul(a, b), np.float64)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+    else:  # a GPU's FP8 GEMM accumulates a group's products in ~14 bits, not fp32
+        assert (np.abs(got - want) <= 2.0**-10 * (np.abs(da) @ np.abs(db).T)).all()
 
 
 def test_chunked_promotion_equals_one_pass(monkeypatch):

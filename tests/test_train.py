@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from child_env import child_env
 
 from coat_jax.training.checkpoint import Checkpointer
 
@@ -23,8 +24,7 @@ TINY = ["--config", str(ROOT / "configs/llama_tiny.py")]
 def train(workdir, *overrides, wait=True, cache=None):
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"--config.workdir={workdir}"]
     cmd += list(overrides)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
-    env["PYTHONPATH"] = str(ROOT)  # and train.py's own allocator settings
+    env = child_env(drop_prefix="XLA_PYTHON_CLIENT_")  # and train.py's own allocator settings
     if cache:  # runs of the same program share their compiles (JAX's persistent cache)
         cmd.append(f"--config.compile_cache_dir={cache}")
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -138,8 +138,7 @@ def test_allocator_is_set_unless_the_user_chose(tmp_path):
     first = out.stdout.splitlines()[0]
     assert first.startswith("Allocator: XLA_PYTHON_CLIENT_PREALLOCATE=true, "
                             "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (set by train.py")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
-    env.update(PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
+    env = child_env(drop_prefix="XLA_PYTHON_CLIENT_", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"--config.workdir={tmp_path / 'b'}"]
     out = subprocess.run([*cmd, *common], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.stdout.splitlines()[0] == ("Allocator: XLA_PYTHON_CLIENT_PREALLOCATE=true, "

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from child_env import child_env
 from tiny import tiny_run
 
 from coat_jax.training import data
@@ -40,9 +41,9 @@ def command(workdir, *overrides, cache=None):
 
 
 def environment():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
-    env.update(PYTHONPATH=str(ROOT), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    return env
+    return child_env(
+        drop_prefix="XLA_PYTHON_CLIENT_", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
 
 
 def train(workdir, *overrides, cache=None, cwd=ROOT, cmd=None):

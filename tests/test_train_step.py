@@ -28,6 +28,7 @@ def tiny(**optimizer):
     return config, model_config, graph, params
 
 
+@pytest.mark.xla_cpu  # reads XLA:CPU's optimized HLO (XLA:GPU names its fusions otherwise)
 def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch():
     """With grad_accum > 1, XLA hoists the (loop-invariant) weight quantization out of the
     micro-batch loop: no FP8 weight-shaped value is produced inside the loop body."""

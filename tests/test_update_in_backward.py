@@ -11,14 +11,10 @@ from tiny import ROOT, tiny_run
 from coat_jax.ops.clipping import ClipByPreviousNormState, clip_by_previous_global_norm
 from coat_jax.training import configs, planner
 
-# These compare two differently compiled steps bit for bit (or to one fp32 rounding), and XLA:CPU's
-# buffer assignment: claims the README makes for the CPU. On an H200 (2026-12-04) the compiled
-# kernels' approximate math and the FP8 amax feedback let the two runs drift (losses 1-3% apart
-# after 8 steps) and XLA:GPU's schedule keeps the tiny step's temporary memory level; the GPU's
-# numbers for the update in the backward pass are train.py's (README).
-cpu_only = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="XLA:CPU's bit-level determinism and buffer assignment"
-)
+# The three marked xla_cpu compare two differently compiled steps bit for bit (or to one fp32
+# rounding), and XLA:CPU's buffer assignment: claims the README makes for the CPU. On an H200
+# (2026-12-04) the two runs drifted (losses 1-3% apart after 8 steps) and the tiny step's
+# temporary memory stayed level; the GPU's numbers for the option are train.py's (README).
 
 
 def test_clipping_by_the_previous_norm():
@@ -59,7 +55,7 @@ def train(overrides, steps):
     return params, opt_state, np.asarray([float(m["grad_norm"]) for m in metrics])
 
 
-@cpu_only
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("fused", [True, False])
 def test_unclipped_training_matches_the_update_after_backward(fused):
     """Norms below the threshold (grad_clip 1e6): 8 steps of llama_tiny (COAT, fp8_adamw) with
@@ -87,7 +83,7 @@ def test_unclipped_training_matches_the_update_after_backward(fused):
         np.testing.assert_array_equal(a, b)
 
 
-@cpu_only
+@pytest.mark.xla_cpu
 def test_the_fused_update_clips_by_the_previous_norm_like_the_chain():
     """With clipping active every step (grad_clip 0.05), the fused update (interpreted) and the
     optax chain, both in the backward pass, agree to fp32 rounding over 6 steps: the kernel
@@ -107,7 +103,7 @@ def test_the_fused_update_clips_by_the_previous_norm_like_the_chain():
     assert apart <= 4, apart
 
 
-@cpu_only
+@pytest.mark.xla_cpu
 def test_the_step_holds_no_buffer_of_all_gradients():
     """XLA's memory analysis of the compiled step (a 4-layer, 256-wide llama, batch 4 x 32:
     gradients outweigh activations): the update in the backward pass needs less temporary

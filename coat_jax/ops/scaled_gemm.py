@@ -137,7 +137,10 @@ def scaled_matmul(
         prod = jax.lax.dot_general(
             sl(ca), sl(cb), (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32
         )  # (chunk, M, N): one fp32 product per group
-        return jnp.einsum("jmn,mj,nj->mn", prod, sl(sa), sl(sb), preferred_element_type=dtype)
+        # HIGHEST: on a GPU an fp32 einsum at default precision runs as TF32 (10-bit
+        # mantissas), which would undo the fp32 promotion this sum is for
+        return jnp.einsum("jmn,mj,nj->mn", prod, sl(sa), sl(sb), preferred_element_type=dtype,
+                          precision=jax.lax.Precision.HIGHEST)  # fmt: skip
 
     if steps == 1:
         return part(0, partial_dtype).astype(out_dtype)
