@@ -7,13 +7,14 @@ import tempfile
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before JAX starts: workers share each GPU
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# Compiling dominates the suite: one persistent XLA cache for every test, worker and child
-# process (train.py, benches), kept across runs on this machine (JAX keys entries by program,
-# backend and version). A subset of three files on the 2-core CPU: 189 s without, 174 s cold,
-# 52 s warm (2026-12-04). Set JAX_COMPILATION_CACHE_DIR to choose the place, or "" for none.
+# One persistent XLA cache for every test, worker and child process (train.py, benches), kept
+# across runs on this machine (JAX keys entries by program, backend and version), for compiles
+# of 1 s or more: caching every compile made a run of small-program tests 2.6x slower (61 ->
+# 160 s). On the 2-core CPU, 2026-12-04, three train-step files: 189 s without, 186 s cold,
+# 84 s warm. Set JAX_COMPILATION_CACHE_DIR to choose the place, or "" for none.
 _CACHE = os.path.join(tempfile.gettempdir(), f"coat_jax_pytest_xla_cache_{os.getuid()}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # LRU beyond 2 GiB
 
