@@ -52,7 +52,6 @@ def _eval(jaxpr, consts, *args):
 
 def eval_like_triton(fn, *args):
     """``fn(*args)`` with every ``max`` / ``min`` taken as IEEE maxNum / minNum (Triton's)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    flat = jax.tree.leaves(args)
-    out = _eval(closed.jaxpr, closed.consts, *flat)
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *args)), out)
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out = _eval(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shapes), out)
