@@ -55,10 +55,12 @@ def inputs(m, k, n, seed=0):
     }
 
 
-def variants(block_configs: bool = False):
+def variants(block_configs: bool = False, extra_configs=()):
     """name -> (function of the inputs dict, reference or None). ``block_configs``: also one
     "Pallas block-scaled #i" column per autotune candidate of the block-scaled kernel (forced,
-    so each is timed by CUPTI side by side; their configs in the JSON's ``block_configs``)."""
+    so each is timed by CUPTI side by side; their configs in the JSON's ``block_configs``).
+    ``extra_configs``: ``(variant, GemmConfig)`` pairs, one forced column "Pallas <variant>
+    cfg<i>" each (configs that are not candidates, e.g. a sweep)."""
 
     @jax.jit
     def xla_bf16(x):
@@ -105,7 +107,36 @@ def variants(block_configs: bool = False):
                 return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
 
             table[f"Pallas block-scaled #{i}"] = (forced, ref_bs)
+    for i, (variant, cfg) in enumerate(extra_configs):
+        if variant == "block_scaled":
+
+            def forced(x, cfg=cfg):
+                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
+
+            table[f"Pallas block_scaled cfg{i}"] = (forced, ref_bs)
+        else:
+
+            def forced(x, cfg=cfg):
+                return fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25, config=cfg)
+
+            table[f"Pallas per_tensor cfg{i}"] = (forced, ref_pt)
     return table
+
+
+def parse_configs(text: str) -> list[tuple[str, fm.GemmConfig]]:
+    """``--configs``: a JSON list of objects, each ``"variant"`` (``block_scaled`` or
+    ``per_tensor``) and :class:`GemmConfig` fields; each config is checked for its variant."""
+    pairs = []
+    for i, item in enumerate(json.loads(text)):
+        item = dict(item)
+        variant = item.pop("variant", "block_scaled")
+        if variant not in ("block_scaled", "per_tensor"):
+            raise ValueError(f"--configs item {i}: variant {variant!r} is not block_scaled or "
+                             "per_tensor")  # fmt: skip
+        cfg = fm.GemmConfig(**item)
+        cfg.check(variant)
+        pairs.append((variant, cfg))
+    return pairs
 
 
 FP8_GEMM_CALL = "__cublas$lt$matmul$f8"
@@ -159,7 +190,14 @@ def main():
                         "variants whose name contains one (default: all)")  # fmt: skip
     parser.add_argument("--block_configs", action="store_true",
                         help="one column per block-scaled candidate config, forced")  # fmt: skip
+    parser.add_argument("--configs", default="",
+                        help="JSON list of {variant, GemmConfig fields}: one forced column "
+                        "'Pallas <variant> cfg<i>' each")  # fmt: skip
     args = parser.parse_args()
+    try:
+        extra = parse_configs(args.configs) if args.configs else []
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"gemm.py: --configs: {e}") from None
     try:
         shapes = SHAPES if args.shapes == "all" else [
             tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]  # fmt: skip
@@ -169,7 +207,7 @@ def main():
         raise SystemExit(f"gemm.py: --shapes {args.shapes!r}: expected 'all' or MxKxN,..."
                          ) from None  # fmt: skip
     time_fn = timer(args.iters, args.inner)
-    table = variants(args.block_configs)
+    table = variants(args.block_configs, extra)
     if args.only:
         keep = [w.strip() for w in args.only.split(",") if w.strip()]
         table = {k: v for k, v in table.items() if any(w in k for w in keep)}
@@ -196,6 +234,8 @@ def main():
                        "check_errors": errors, "tuned_configs": tuned,
                        "block_configs": [dataclasses.asdict(c) for c in
                                          fm.config_candidates("block_scaled")],
+                       "extra_configs": [{"variant": v, **dataclasses.asdict(c)}
+                                         for v, c in extra],
                        "autotune_log": tune_log}, f, indent=2)  # fmt: skip
 
     for m, k, n in shapes:

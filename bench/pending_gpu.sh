@@ -150,6 +150,12 @@
 #                                      before the kernel's rewrite: git archive 63a0407~1)
 #   PART=38 bash bench/pending_gpu.sh  the non-finite guard's cost on the 7B FP8-linear step at
 #                                      batch 5 (bench/step_guard.py; 4c81534 had none)
+#   PART=40 bash bench/pending_gpu.sh  issue 20: GEMM sweep of two-CTA clusters (TMA multicast),
+#                                      three-warpgroup stages, per-tensor 64-row tiles (ran
+#                                      2026-12-04, gemm_sweep_clusters_h200_2026-12-04.json)
+#   PART=41 bash bench/pending_gpu.sh  issue 20: the block-scaled candidates' compiled tests, then
+#                                      the configs of CONFIGS=bench/configs/<file>.json timed
+#                                      side by side (ran 2026-12-05: deferred promotion, removed)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -544,6 +550,31 @@ case "${PART:-1}" in
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
       "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
   done
+  ;;
+41)
+  # issue 20: the block-scaled candidates' compiled tests, then a sweep of the GEMM configs
+  # in $CONFIGS (a JSON list for bench/gemm.py --configs) beside cuBLASLt, the tuned
+  # per-tensor kernel and the block-scaled default; ran 2026-12-05 with deferred promotion
+  # (since removed; the configs are in the result's extra_configs)
+  configs=${CONFIGS:-bench/configs/gemm_sweep_clusters.json}
+  echo "== block-scaled GEMM: compiled tests of the candidates"
+  timeout 200 $PY -m pytest -q -m gpu -x tests/test_pallas_fp8_matmul.py -k "block_scaled" \
+    2>&1 | tail -5
+  echo "== GEMM sweep: $configs (--check first)"
+  timeout 330 $PY bench/gemm.py --check --iters 20 --shapes 8192x4096x11008,8192x4096x4096 \
+    --only "(N, K) weight,Pallas per-tensor,block-scaled #0,cfg" --configs "$(cat "$configs")" \
+    --json "$OUT/gemm_sweep_$(basename "$configs" .json | sed 's/^gemm_sweep_//')_h200_$DAY.json" \
+    2>&1 | grep -v -i warn | tail -24
+  ;;
+40)
+  # issue 20: two-CTA clusters multicasting the shared operand tile (L2 traffic), more
+  # pipeline stages for three warpgroups, and the per-tensor kernel with 64-row tiles (is the
+  # block-scaled kernel's tile shape its limit?), beside the candidates #0 and #5 and cuBLASLt
+  echo "== GEMM sweep: clusters and stages (--check first)"
+  timeout 330 $PY bench/gemm.py --check --iters 20 --shapes 8192x4096x11008,8192x4096x4096 \
+    --only "(N, K) weight,Pallas per-tensor,block-scaled #0,block-scaled #5,cfg" \
+    --configs "$(cat bench/configs/gemm_sweep_clusters.json)" \
+    --json "$OUT/gemm_sweep_clusters_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -24
   ;;
 38)
   echo "== the non-finite guard on the 7B FP8-linear step, batch 5: compiled memory, step ms"

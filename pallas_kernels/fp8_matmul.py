@@ -34,7 +34,8 @@ The kernel: a persistent grid (one CTA per SM) walking output tiles in a "planar
 per CTA ``compute_wgs`` (2-4) compute warpgroups (each a ``tile_m x tile_n`` fp32 accumulator
 in registers, side by side in N or M) and one memory warpgroup feeding a
 ``max_concurrent_steps``-deep TMA pipeline (``emit_pipeline_warp_specialized``); the epilogue
-stages the output through shared memory and TMA-stores it.
+stages the output through shared memory and TMA-stores it. Optionally CTAs pair in two-CTA
+clusters that share one operand's tile through TMA multicast (``GemmConfig.cluster``).
 
 Limits: the wrapper pads M, N (to the CTA tile) and K (to ``tile_k``) with zeros when they are
 not multiples, and slices the result: one extra copy of each padded operand (``M K`` and ``N K``
@@ -45,8 +46,8 @@ compile only on a Hopper GPU with jax >= 0.11 (Mosaic GPU, mixed E4M3/E5M2 ``wgm
 ``*_reference`` functions are the specification and run anywhere.
 
 Options tried on the H200 and removed (promotion overlapped with the next pipeline step's
-``wgmma``, row-major group maxima): docs/pallas-backends.md; two blocks within a step (kept):
-docs/results.md.
+``wgmma``, twice, row-major group maxima): docs/pallas-backends.md; two blocks within a step
+and two-CTA clusters (kept): docs/results.md.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class GemmConfig:
         promote; registers per thread shrink with the count (``(512 - 40) / compute_wgs``, at
         most 232). Four lowered here but hung on an H200 (2026-12-02: its GPU test and the
         bench's autotune both timed out on it), so the check refuses them.
+      cluster: ``None``, or ``"m"`` / ``"n"``: two CTAs of a cluster take neighbouring output
+        tiles along that dimension and share the other operand's tile: each loads half of it
+        and the TMA multicasts it to both (``"m"``: the weight tile ``B``, ``"n"``: the
+        activation tile ``A``), which halves that operand's traffic out of L2. M (``"m"``) or
+        N (``"n"``) pads to two CTA tiles.
     """
 
     tile_m: int = 128
@@ -133,6 +139,7 @@ class GemmConfig:
     epi_tile_n: int = 64
     b_scales_in_smem: bool = True
     compute_wgs: int = 2
+    cluster: str | None = None
 
     @property
     def cta_m(self) -> int:
@@ -141,6 +148,19 @@ class GemmConfig:
     @property
     def cta_n(self) -> int:
         return self.tile_n * (self.compute_wgs if self.wg_split == "n" else 1)
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if self.cluster is None else 2
+
+    @property
+    def cluster_m(self) -> int:
+        """Output rows of one cluster (of one CTA without a cluster)."""
+        return self.cta_m * (2 if self.cluster == "m" else 1)
+
+    @property
+    def cluster_n(self) -> int:
+        return self.cta_n * (2 if self.cluster == "n" else 1)
 
     def check(self, variant: str = "per_tensor") -> None:
         """Raises ``ValueError`` for a config the kernel cannot run."""
@@ -152,6 +172,8 @@ class GemmConfig:
             raise ValueError(f"{self}: compute_wgs must be 2 or 3 (4 hung on an H200)")
         if self.wg_split not in ("m", "n") or self.grid_minor not in ("m", "n"):
             raise ValueError(f"{self}: wg_split and grid_minor are 'm' or 'n'")
+        if self.cluster not in (None, "m", "n"):
+            raise ValueError(f"{self}: cluster is None, 'm' or 'n'")
         if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
             raise ValueError(f"{self}: epilogue tiles must divide the warpgroup tile")
         if variant == "block_scaled" and (self.tile_k not in (BLOCK, 2 * BLOCK)
@@ -174,12 +196,15 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
         # 128x128: 1,181 / 1,169 TFLOP/s at 8192x4096x{11008, 4096} against 1,040-1,108 for
         # one block a step; three warpgroups 1,233 / 1,076; two blocks with a 64x256 CTA
         # 1,043 / 1,046, dropped (H200, 2026-12-04, gemm_block_scaled_2blocks_h200_2026-12-04
-        # .json). First (the default under jit): the same with a 64x32 epilogue tile, whose
-        # freed shared memory holds a third 256-K step: 1,213 / 1,208 against 1,174 / 1,171
-        # in one later call (..._2026-12-04b.json).
+        # .json). With a 64x32 epilogue tile, whose freed shared memory holds a third 256-K
+        # step: 1,213 / 1,208 against 1,174 / 1,171 in one later call (..._2026-12-04b.json).
+        # First (the default under jit): the same in two-CTA clusters along N, the activation
+        # tile multicast to both: 1,285 / 1,265 against 1,237 / 1,213 along M (the weight
+        # tile multicast) and 1,228 / 1,198 for cuBLASLt's per-tensor FP8 GEMM in the same
+        # call (gemm_sweep_clusters_h200_2026-12-04.json).
         raw = [
+            GemmConfig(64, 128, 256, 3, "m", epi_tile_n=32, cluster="n"),
             GemmConfig(64, 128, 256, 3, "m", epi_tile_n=32),
-            GemmConfig(64, 128, 256, 3, "m"),
             GemmConfig(64, 128, 128, 6, "m"),
             GemmConfig(64, 128, 128, 6, "n"),
             GemmConfig(64, 128, 128, 6, "n", b_scales_in_smem=False),
@@ -194,6 +219,10 @@ def config_candidates(variant: str = "per_tensor") -> tuple[GemmConfig, ...]:
             GemmConfig(128, 128, 128, 4, "m"),
             GemmConfig(128, 128, 256, 2, "n"),
             GemmConfig(128, 128, 128, 4, "n", "m"),
+            # two-CTA clusters along M, the weight tile multicast: 1,496 / 1,478 TFLOP/s at
+            # 8192x4096x{11008, 4096} against 1,478 / 1,462 for the first (H200, 2026-12-05,
+            # gemm_sweep_defer_h200_2026-12-05.json; 1,496 / 1,481 on 2026-12-04)
+            GemmConfig(128, 128, 128, 4, "n", cluster="m"),
         ]
     out = []
     for c in raw:
@@ -256,8 +285,8 @@ def _cdiv(a: int, b: int) -> int:
 def padded_shape(m: int, n: int, k: int, config: GemmConfig) -> tuple[int, int, int]:
     """``(M, N, K)`` rounded up to the CTA tile (M, N) and to ``tile_k`` (K)."""
     return (
-        _cdiv(m, config.cta_m) * config.cta_m,
-        _cdiv(n, config.cta_n) * config.cta_n,
+        _cdiv(m, config.cluster_m) * config.cluster_m,
+        _cdiv(n, config.cluster_n) * config.cluster_n,
         _cdiv(k, config.tile_k) * config.tile_k,
     )
 
@@ -379,7 +408,10 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
     cfg = config
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+    # the walk is over cluster tiles (CTA tiles without a cluster)
+    m_iters, n_iters, k_iters = m // cfg.cluster_m, n // cfg.cluster_n, k // tile_k
+    multicast_a = ("cluster",) if cfg.cluster == "n" else ()  # shared by the cluster's CTAs
+    multicast_b = ("cluster",) if cfg.cluster == "m" else ()
     split_m = cfg.wg_split == "m"
     block = variant == "block_scaled"
     quant = variant == "quantize_1x16"
@@ -397,20 +429,17 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
             a_gmem, b_gmem, s_gmem, *outs = refs
 
         def pipeline(body, compute_context):
+            spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
             in_specs = [
-                plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk),
-                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk),
-                                transforms=_fp8_transforms(), memory_space=plgpu.SMEM),
+                spec((cta_m, tile_k), lambda kk: (0, kk), transforms=_fp8_transforms(),
+                     collective_axes=multicast_a),
+                spec((cta_n, tile_k), lambda kk: (0, kk), transforms=_fp8_transforms(),
+                     collective_axes=multicast_b),
             ]  # fmt: skip
             if block:  # the K step's activation scales for the CTA's rows: one TMA box
-                in_specs.append(
-                    plgpu.BlockSpec((blocks, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
-                )
+                in_specs.append(spec((blocks, cta_m), lambda kk: (kk, 0)))
             if sb_in_smem:  # and the weight's, one per column of the CTA
-                in_specs.append(
-                    plgpu.BlockSpec((blocks, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)
-                )
+                in_specs.append(spec((blocks, cta_n), lambda kk: (kk, 0)))
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
@@ -446,6 +475,10 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                     lin, (m_iters, n_iters), 0 if cfg.grid_minor == "m" else 1,
                     cfg.grid_tile_width,
                 )  # fmt: skip
+                if cfg.cluster == "m":  # this CTA's tile of its cluster's pair
+                    mi = 2 * mi + lax.axis_index("cluster")
+                elif cfg.cluster == "n":
+                    ni = 2 * ni + lax.axis_index("cluster")
                 cta_rows = pl.ds(mi * cta_m, cta_m)
                 cta_cols = pl.ds(ni * cta_n, cta_n)
                 wg_rows = pl.ds(wg * tile_m, tile_m) if split_m else slice(None)
@@ -577,11 +610,14 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
         )
     else:
         out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+    clustered = cfg.cluster is not None
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(mgpu.num_sms(),),
+        grid=(mgpu.num_sms() // cfg.cluster_size,),
         grid_names=("sm",),
+        cluster=(cfg.cluster_size,) if clustered else (),
+        cluster_names=("cluster",) if clustered else (),
         num_threads=cfg.compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
