@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import gemm  # noqa: E402
+
 from pallas_kernels import fp8_matmul as fm  # noqa: E402
 
 
