@@ -172,6 +172,40 @@ def test_cluster_tiles_and_padding():
     assert (plain.cluster_size, plain.cluster_m) == (1, plain.cta_m)
 
 
+def test_autotune_picks_the_fastest_device_time(monkeypatch):
+    """Each candidate runs jitted and is timed on the device (CUPTI on a GPU); the fastest
+    that lowered wins and is cached, a failing one is logged and skipped."""
+    fast, slow, broken = fm.GemmConfig(), fm.GemmConfig(wg_split="m"), fm.GemmConfig(cluster="m")
+    times = {fast: 0.2, slow: 0.3}
+    traced = []
+
+    def fake_run(a, b, s1, s2, *, variant, out_dtype, config, shape):
+        traced.append(config)
+        if config == broken:
+            raise ValueError("does not lower")
+        return jnp.zeros(shape[:2], out_dtype)
+
+    def fake_kernel_time(fn, *args, iters):
+        fn(*args)  # jitted: traces fake_run once per candidate
+        return times[traced[-1]], "cupti"
+
+    monkeypatch.setattr(fm, "_run", fake_run)
+    monkeypatch.setattr(fm.measure, "kernel_time", fake_kernel_time)
+    shape = (136, 264, 384)  # no other test tunes it
+    key = fm._tune_key("per_tensor", *shape, E4, E4, jnp.bfloat16)
+    try:
+        got = fm.autotune("per_tensor", *shape, E4, E4, candidates=[slow, broken, fast])
+        assert got == fast and fm._TUNED[key] == fast
+        log = fm.AUTOTUNE_LOG[key]
+        assert [e.get("ms") for e in log] == [0.3, None, 0.2]
+        assert "does not lower" in log[1]["error"]
+        assert traced == [slow, broken, fast]
+        assert fm.autotune("per_tensor", *shape, E4, E4) == fast and len(traced) == 3  # cached
+    finally:
+        fm._TUNED.pop(key, None)
+        fm.AUTOTUNE_LOG.pop(key, None)
+
+
 def test_shared_memory_model_and_fit():
     """The byte count matches what Mosaic GPU reported on an H200 for two configs it refused
     (to within the 256-byte reserve, never below), and fitting shortens only the pipeline."""
@@ -351,6 +385,21 @@ def test_gpu_block_scaled_each_config(config):
     got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.bfloat16, config=config)
     want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
     _assert_every_tile_close(got, want, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config", [fm.default_config("block_scaled"), fm.config_candidates("block_scaled")[-2]], ids=str
+)
+@pytest.mark.parametrize(("m", "k", "n"), [(2000, 640, 2600), (100, 384, 200)])
+def test_gpu_block_scaled_tile_walk(config, m, k, n):
+    """Several output tiles a CTA (first shape: 336 / 352 CTA tiles on 132 SMs; ragged; 3 or
+    5 K steps) and CTAs with no tile (second): the default (clustered) and global weight
+    scales."""
+    a, sa, b, sb = block_scaled_inputs(m, k, n)
+    got = fm.fp8_matmul_block_scaled(a, sa, b, sb, out_dtype=jnp.float32, config=config)
+    want = fm.fp8_matmul_block_scaled_reference(a, sa, b, sb, out_dtype=jnp.float32)
+    _assert_every_tile_close(got, want, 1e-3)
 
 
 @pytest.mark.gpu
