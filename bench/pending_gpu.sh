@@ -4,6 +4,7 @@
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
 # ~1.5; use an absolute PYTHONPATH, /tmp/site:$PWD: snippet tests run from other directories):
+# PART=43 (the GEMM autotune by CUPTI; PART=40-42 ran 2026-12-04/05);
 # PART=39 with FILES= the CPU suite's files that failed on the GPU backend on 2026-12-04 after
 # the fixes (tests/test_pallas_fused_quantize.py tests/test_planner.py tests/test_metrics.py
 # tests/test_gemm_error_tool.py tests/test_scaled_gemm.py tests/test_hf_llama.py
@@ -156,6 +157,9 @@
 #   PART=41 bash bench/pending_gpu.sh  issue 20: the block-scaled candidates' compiled tests, then
 #                                      the configs of CONFIGS=bench/configs/<file>.json timed
 #                                      side by side (ran 2026-12-05: deferred promotion, removed)
+#   PART=42 bash bench/pending_gpu.sh  issue 20: all compiled FP8 GEMM tests, then the
+#                                      block-scaled default against per-tensor and cuBLASLt
+#   PART=43 bash bench/pending_gpu.sh  issue 20: the GEMM autotune by CUPTI at both shapes
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -550,6 +554,24 @@ case "${PART:-1}" in
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
       "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
   done
+  ;;
+43)
+  # issue 20: autotune timed by CUPTI (jitted candidates): does it pick the default (1,298 /
+  # 1,321 forced) at both shapes now? (2026-12-05 it picked a 1,057 config at 4096 by host time)
+  timeout 300 $PY bench/gemm.py --iters 30 --shapes 8192x4096x4096,8192x4096x11008 \
+    --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
+    --json "$OUT/gemm_autotune_cupti_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+  ;;
+42)
+  # issue 20: every compiled test of the FP8 GEMM (the per-tensor and 1x16 cluster candidate,
+  # the kernel's tile loop refactored), then the block-scaled default beside the per-tensor
+  # kernel and cuBLASLt, 30 medians
+  echo "== FP8 GEMM: compiled tests"
+  timeout 270 $PY -m pytest -q -m gpu tests/test_pallas_fp8_matmul.py 2>&1 | tail -4
+  echo "== block-scaled default vs per-tensor vs cuBLASLt"
+  timeout 200 $PY bench/gemm.py --check --iters 30 --shapes 8192x4096x11008,8192x4096x4096 \
+    --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
+    --json "$OUT/gemm_block_scaled_default_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
 41)
   # issue 20: the block-scaled candidates' compiled tests, then a sweep of the GEMM configs
