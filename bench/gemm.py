@@ -139,6 +139,39 @@ def parse_configs(text: str) -> list[tuple[str, fm.GemmConfig]]:
     return pairs
 
 
+CUBLASLT = ("XLA cuBLASLt FP8", "XLA cuBLASLt FP8, (N, K) weight")
+RATIOS = {  # column -> (numerator, denominators: the first one timed)
+    "Pallas/cuBLASLt": ("Pallas per-tensor", CUBLASLT),
+    "block/cuBLASLt": ("Pallas block-scaled", CUBLASLT),
+    "block/per-tensor": ("Pallas block-scaled", ("Pallas per-tensor",)),
+    "1x16/per-tensor": ("Pallas fused 1x16", ("Pallas per-tensor",)),
+}  # fmt: skip
+
+
+def format_table(rows: list[dict], names: list[str]) -> str:
+    """The markdown table of TFLOP/s, one row per shape, then the ratio columns whose two
+    sides were timed (a ratio's cuBLASLt side: the (K, N) weight's column, else (N, K)'s)."""
+
+    def tflops(row, name):
+        v = row.get(name)
+        return v["TFLOPs"] if isinstance(v, dict) and "TFLOPs" in v else None
+
+    def ratio(row, num, dens):
+        a = tflops(row, num)
+        b = next((t for d in dens if (t := tflops(row, d)) is not None), None)
+        return None if a is None or b is None else a / b
+
+    ratios = {col: nd for col, nd in RATIOS.items()
+              if any(ratio(r, *nd) is not None for r in rows)}  # fmt: skip
+    lines = ["| M x K x N | " + " | ".join([*names, *ratios]) + " |",
+             "|---" * (len(names) + len(ratios) + 1) + "|"]  # fmt: skip
+    for r in rows:
+        cells = [f"{t:.0f}" if (t := tflops(r, name)) is not None else "err" for name in names]
+        cells += [f"{x:.2f}" if (x := ratio(r, *nd)) is not None else "" for nd in ratios.values()]
+        lines.append(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 FP8_GEMM_CALL = "__cublas$lt$matmul$f8"
 
 
@@ -267,24 +300,7 @@ def main():
         write_json(done=False)
 
     print(f"\nTFLOP/s (median of {args.iters}), {device}")
-    names = list(table)
-    ratios = {  # column -> (numerator, denominator): TFLOP/s ratios
-        "Pallas/cuBLASLt": ("Pallas per-tensor", "XLA cuBLASLt FP8"),
-        "block/cuBLASLt": ("Pallas block-scaled", "XLA cuBLASLt FP8"),
-        "1x16/per-tensor": ("Pallas fused 1x16", "Pallas per-tensor"),
-    }
-    print("| M x K x N | " + " | ".join([*names, *ratios]) + " |")
-    print("|---" * (len(names) + len(ratios) + 1) + "|")
-    for r in rows:
-        cells = []
-        for name in names:
-            v = r.get(name)
-            cells.append(f"{v['TFLOPs']:.0f}" if v and "TFLOPs" in v else "err")
-        for num, den in ratios.values():
-            a, b = r.get(num), r.get(den)
-            ok = a and b and "TFLOPs" in a and "TFLOPs" in b
-            cells.append(f"{a['TFLOPs'] / b['TFLOPs']:.2f}" if ok else "")
-        print(f"| {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + " |")
+    print(format_table(rows, list(table)))
     if args.json:
         write_json(done=True)
         print(f"wrote {args.json}")

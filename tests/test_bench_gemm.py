@@ -45,3 +45,18 @@ def test_bad_configs_option_is_one_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gemm.py", "--configs", '[{"cluster": "k"}]'])
     with pytest.raises(SystemExit, match="--configs: .*cluster"):
         gemm.main()
+
+
+def test_table_ratios_use_the_columns_that_were_timed():
+    rows = [
+        {"M": 8, "K": 16, "N": 32, "XLA cuBLASLt FP8, (N, K) weight": {"TFLOPs": 1000.0},
+         "Pallas per-tensor": {"TFLOPs": 1500.0}, "Pallas block-scaled": {"TFLOPs": 1300.0}},
+        {"M": 8, "K": 16, "N": 64, "XLA cuBLASLt FP8, (N, K) weight": {"TFLOPs": 1000.0},
+         "Pallas per-tensor": {"error": "no"}, "Pallas block-scaled": {"TFLOPs": 1200.0}},
+    ]  # fmt: skip
+    names = ["XLA cuBLASLt FP8, (N, K) weight", "Pallas per-tensor", "Pallas block-scaled"]
+    header, _, first, second = gemm.format_table(rows, names).splitlines()
+    # no fused-1x16 column was timed: its ratio is left out; cuBLASLt's (N, K) column stands in
+    assert header.endswith("| Pallas/cuBLASLt | block/cuBLASLt | block/per-tensor |")
+    assert first == "| 8x16x32 | 1000 | 1500 | 1300 | 1.50 | 1.30 | 0.87 |"
+    assert second == "| 8x16x64 | 1000 | err | 1200 |  | 1.20 |  |"
