@@ -558,6 +558,8 @@ case "${PART:-1}" in
 43)
   # issue 20: autotune timed by CUPTI (jitted candidates): does it pick the default (1,298 /
   # 1,321 forced) at both shapes now? (2026-12-05 it picked a 1,057 config at 4096 by host time)
+  # The GEMM's compiled tests first: the eager wrappers autotune through CUPTI now
+  timeout 270 $PY -m pytest -q -m gpu tests/test_pallas_fp8_matmul.py 2>&1 | tail -4
   timeout 300 $PY bench/gemm.py --iters 30 --shapes 8192x4096x4096,8192x4096x11008 \
     --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
     --json "$OUT/gemm_autotune_cupti_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
