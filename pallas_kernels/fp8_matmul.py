@@ -283,7 +283,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def padded_shape(m: int, n: int, k: int, config: GemmConfig) -> tuple[int, int, int]:
-    """``(M, N, K)`` rounded up to the CTA tile (M, N) and to ``tile_k`` (K)."""
+    """``(M, N, K)`` rounded up to the cluster tile (M, N; the CTA tile without a cluster) and
+    to ``tile_k`` (K)."""
     return (
         _cdiv(m, config.cluster_m) * config.cluster_m,
         _cdiv(n, config.cluster_n) * config.cluster_n,
@@ -576,10 +577,10 @@ def _build_kernel(variant, m, n, k, a_dtype, b_dtype, out_dtype, config: GemmCon
                 (lin,) = info.index
                 mi, ni = tile_of(lin)
                 if block:
+                    col0 = origin(mi, ni)[1]  # once a tile, not in every K step
 
                     def body(idx, a_smem, b_smem, *scales_and_carry):
                         *scale_smem, carry = scales_and_carry
-                        col0 = origin(mi, ni)[1]
                         return block_step(idx[0], col0, a_smem, b_smem, scale_smem, carry)
 
                     def compute(eval_pipeline):
