@@ -78,11 +78,12 @@ def variants(block_configs: bool = False, extra_configs=()):
                                   preferred_element_type=jnp.float32)  # fmt: skip
         return (out * (jnp.float32(0.5) * jnp.float32(0.25))).astype(jnp.bfloat16)
 
-    def per_tensor(x):
-        return fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25)
-
-    def block(x):
-        return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"])
+    def pallas(variant, config=None):
+        """The Pallas kernel of ``variant`` with ``config`` forced (``None``: autotuned)."""
+        if variant == "block_scaled":
+            return lambda x: fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"],
+                                                        config=config)  # fmt: skip
+        return lambda x: fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25, config=config)
 
     def quant(x):
         q = fm.fp8_matmul_quantize_1x16(x["a8"], x["b8"], 0.5, 0.25)
@@ -92,34 +93,20 @@ def variants(block_configs: bool = False, extra_configs=()):
     ref_bs = lambda x: fm.fp8_matmul_block_scaled_reference(
         x["a8"], x["sa"], x["b8"], x["sb"], out_dtype=jnp.float32
     )
+    refs = {"per_tensor": ref_pt, "block_scaled": ref_bs}
     table = {
         "XLA bf16": (xla_bf16, None),
         "XLA cuBLASLt FP8": (xla_fp8, None),
         "XLA cuBLASLt FP8, (N, K) weight": (xla_fp8_tn, None),
-        "Pallas per-tensor": (per_tensor, ref_pt),
-        "Pallas block-scaled": (block, ref_bs),
+        "Pallas per-tensor": (pallas("per_tensor"), ref_pt),
+        "Pallas block-scaled": (pallas("block_scaled"), ref_bs),
         "Pallas fused 1x16": (quant, ref_pt),
     }
     if block_configs:
         for i, cfg in enumerate(fm.config_candidates("block_scaled")):
-
-            def forced(x, cfg=cfg):
-                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
-
-            table[f"Pallas block-scaled #{i}"] = (forced, ref_bs)
+            table[f"Pallas block-scaled #{i}"] = (pallas("block_scaled", cfg), ref_bs)
     for i, (variant, cfg) in enumerate(extra_configs):
-        if variant == "block_scaled":
-
-            def forced(x, cfg=cfg):
-                return fm.fp8_matmul_block_scaled(x["a8"], x["sa"], x["b8"], x["sb"], config=cfg)
-
-            table[f"Pallas block_scaled cfg{i}"] = (forced, ref_bs)
-        else:
-
-            def forced(x, cfg=cfg):
-                return fm.fp8_matmul(x["a8"], x["b8"], 0.5, 0.25, config=cfg)
-
-            table[f"Pallas per_tensor cfg{i}"] = (forced, ref_pt)
+        table[f"Pallas {variant} cfg{i}"] = (pallas(variant, cfg), refs[variant])
     return table
 
 
