@@ -4,7 +4,8 @@
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
 # ~1.5; use an absolute PYTHONPATH, /tmp/site:$PWD: snippet tests run from other directories):
-# PART=43 (the GEMM autotune by CUPTI; PART=40-42 ran 2026-12-04/05);
+# PART=42 again (its bench autotunes by CUPTI now: does it pick the clustered default, 1,298 /
+# 1,321 forced, at both shapes? On 2026-12-05 host timing picked a 1,057 config at 4096);
 # PART=39 with FILES= the CPU suite's files that failed on the GPU backend on 2026-12-04 after
 # the fixes (tests/test_pallas_fused_quantize.py tests/test_planner.py tests/test_metrics.py
 # tests/test_gemm_error_tool.py tests/test_scaled_gemm.py tests/test_hf_llama.py
@@ -151,15 +152,14 @@
 #                                      before the kernel's rewrite: git archive 63a0407~1)
 #   PART=38 bash bench/pending_gpu.sh  the non-finite guard's cost on the 7B FP8-linear step at
 #                                      batch 5 (bench/step_guard.py; 4c81534 had none)
-#   PART=40 bash bench/pending_gpu.sh  issue 20: GEMM sweep of two-CTA clusters (TMA multicast),
-#                                      three-warpgroup stages, per-tensor 64-row tiles (ran
-#                                      2026-12-04, gemm_sweep_clusters_h200_2026-12-04.json)
 #   PART=41 bash bench/pending_gpu.sh  issue 20: the block-scaled candidates' compiled tests, then
 #                                      the configs of CONFIGS=bench/configs/<file>.json timed
-#                                      side by side (ran 2026-12-05: deferred promotion, removed)
+#                                      side by side (default: gemm_sweep_clusters.json, two-CTA
+#                                      clusters, ran 2026-12-04 as PART=40; 2026-12-05 deferred
+#                                      promotion and one pipeline a CTA, both removed)
 #   PART=42 bash bench/pending_gpu.sh  issue 20: all compiled FP8 GEMM tests, then the
-#                                      block-scaled default against per-tensor and cuBLASLt
-#   PART=43 bash bench/pending_gpu.sh  issue 20: the GEMM autotune by CUPTI at both shapes
+#                                      block-scaled default (autotuned) against per-tensor and
+#                                      cuBLASLt
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -555,15 +555,6 @@ case "${PART:-1}" in
       "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
   done
   ;;
-43)
-  # issue 20: autotune timed by CUPTI (jitted candidates): does it pick the default (1,298 /
-  # 1,321 forced) at both shapes now? (2026-12-05 it picked a 1,057 config at 4096 by host time)
-  # The GEMM's compiled tests first: the eager wrappers autotune through CUPTI now
-  timeout 270 $PY -m pytest -q -m gpu tests/test_pallas_fp8_matmul.py 2>&1 | tail -4
-  timeout 300 $PY bench/gemm.py --iters 30 --shapes 8192x4096x4096,8192x4096x11008 \
-    --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
-    --json "$OUT/gemm_autotune_cupti_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
-  ;;
 42)
   # issue 20: every compiled test of the FP8 GEMM (the per-tensor and 1x16 cluster candidate,
   # the kernel's tile loop refactored), then the block-scaled default beside the per-tensor
@@ -589,16 +580,6 @@ case "${PART:-1}" in
     --only "(N, K) weight,Pallas per-tensor,block-scaled #0,cfg" --configs "$(cat "$configs")" \
     --json "$OUT/gemm_sweep_$(basename "$configs" .json | sed 's/^gemm_sweep_//')_h200_$DAY.json" \
     2>&1 | grep -v -i warn | tail -24
-  ;;
-40)
-  # issue 20: two-CTA clusters multicasting the shared operand tile (L2 traffic), more
-  # pipeline stages for three warpgroups, and the per-tensor kernel with 64-row tiles (is the
-  # block-scaled kernel's tile shape its limit?), beside the candidates #0 and #5 and cuBLASLt
-  echo "== GEMM sweep: clusters and stages (--check first)"
-  timeout 330 $PY bench/gemm.py --check --iters 20 --shapes 8192x4096x11008,8192x4096x4096 \
-    --only "(N, K) weight,Pallas per-tensor,block-scaled #0,block-scaled #5,cfg" \
-    --configs "$(cat bench/configs/gemm_sweep_clusters.json)" \
-    --json "$OUT/gemm_sweep_clusters_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -24
   ;;
 38)
   echo "== the non-finite guard on the 7B FP8-linear step, batch 5: compiled memory, step ms"
