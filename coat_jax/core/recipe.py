@@ -33,6 +33,15 @@ field                  default    meaning
                                   ``auto`` (where measured faster,
                                   ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
                                   ``reference`` (the XLA ops)
+``fused_mlp``          ``auto``   COAT's MLP as one op whose gate and up GEMMs quantize their
+                                  products into SwiGLU's saved 1x16 FP8 groups in the GEMM's
+                                  epilogue (:func:`coat_jax.ops.flow.fp8_mlp`; per-tensor FP8
+                                  forward GEMMs, E4M3 1x16 saved groups): ``auto`` (where
+                                  measured faster, ``pallas_kernels.dispatch``), ``pallas``
+                                  (the Mosaic GPU kernel, Hopper only), ``interpret`` (the
+                                  fused op with the kernel's jnp reference: Mosaic GPU kernels
+                                  have no interpret mode) or ``reference`` (the norm-project
+                                  and SwiGLU-project ops, unfused)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 ``saved_weights``      ``fp8``    what backward reads of per-tensor FP8 weights: ``fp8`` (the
                                   forward's codes, kept: 1 byte a parameter held from each
@@ -88,6 +97,7 @@ class Fp8Recipe:
     gemm_product: str = "fp32"
     gemm_autotune: bool = True
     fused_quantize: str = "auto"
+    fused_mlp: str = "auto"
     triton_gemm: bool = False
     saved_weights: str = "fp8"
 
@@ -112,11 +122,11 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.gemm_product={self.gemm_product!r}: expected one of {GEMM_PRODUCTS}"
             )
-        if self.fused_quantize not in KERNEL_OPTIONS:
-            raise ValueError(
-                f"Fp8Recipe.fused_quantize={self.fused_quantize!r}: expected one of "
-                f"{KERNEL_OPTIONS}"
-            )
+        for name in ("fused_quantize", "fused_mlp"):
+            if getattr(self, name) not in KERNEL_OPTIONS:
+                raise ValueError(
+                    f"Fp8Recipe.{name}={getattr(self, name)!r}: expected one of {KERNEL_OPTIONS}"
+                )
         if self.saved_weights not in SAVED_WEIGHTS:
             raise ValueError(
                 f"Fp8Recipe.saved_weights={self.saved_weights!r}: expected one of {SAVED_WEIGHTS}"

@@ -162,8 +162,9 @@ class MLP(nnx.Module):
         self.w_down = _dense(rngs, ffn_dim, dim, ("mlp", "embed"), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = _norm_project(self, x, (self.w_gate, self.w_up))
-        return self.policy.swiglu_project(gate, up, self.w_down[...])
+        scale = None if self.norm is None else self.norm[...]
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        return self.policy.mlp(x, scale, *weights, self.norm_eps, self.norm_kind)
 
 
 class Block(nnx.Module):

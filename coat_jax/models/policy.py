@@ -90,6 +90,12 @@ class Policy:
     def swiglu_project(self, gate, up, kernel):
         return _bf16_dot(plain.swiglu(gate, up), kernel)
 
+    def mlp(self, x, norm_scale, w_gate, w_up, w_down, eps, kind="rms"):
+        """The pre-norm SwiGLU MLP: :meth:`norm_project` to gate and up, then
+        :meth:`swiglu_project` (a policy may run it as one op)."""
+        gate, up = self.norm_project(x, norm_scale, (w_gate, w_up), eps, kind)
+        return self.swiglu_project(gate, up, w_down)
+
     def compiler_options(self) -> dict | None:
         """XLA options for a train step of this policy (``jax.jit(compiler_options=...)``):
         XLA's defaults for BF16."""
@@ -141,6 +147,9 @@ class CoatPolicy(Fp8LinearPolicy):
 
     def swiglu_project(self, gate, up, kernel):
         return flow.fp8_swiglu_project(gate, up, kernel, self.recipe)
+
+    def mlp(self, x, norm_scale, w_gate, w_up, w_down, eps, kind="rms"):
+        return flow.fp8_mlp(x, norm_scale, w_gate, w_up, w_down, eps, self.recipe, kind)
 
 
 POLICIES = {p.name: p for p in (Fp32Policy(), Bf16Policy(), Fp8LinearPolicy(), CoatPolicy())}

@@ -26,6 +26,9 @@ Ops, with what each saves for backward (``T`` tokens, ``h`` hidden, ``f`` MLP wi
                            normed input's scale; the GEMM operand is recomputed in backward.
 ``fp8_swiglu_project``     ``(silu(g) * u) @ W``; saves ``g``, ``u`` FP8 1x16 and one scale; the
                            GEMM operand is recomputed in backward.
+``fp8_mlp``                the two above as COAT's MLP; saves what they save. Fused
+                           (``recipe.fused_mlp``), ``g`` and ``u`` leave their GEMMs as those
+                           1x16 groups (the kernel's epilogue), never as BF16.
 =========================  =================================================================
 
 The COAT forward consumes the dequantized FP8 input (as COAT's FP8 kernels do), so backward's
@@ -49,7 +52,7 @@ from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul, fused_quantize
 
-__all__ = ["fp8_gemm", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
+__all__ = ["fp8_gemm", "fp8_mlp", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
 
 COAT = Fp8Recipe()
 """The default recipe: COAT's formats, 1x16 groups, XLA's cuBLASLt GEMMs."""
@@ -272,10 +275,9 @@ def _save_and_operand(rows, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mod
     return saved, QuantizedArray(y_codes, y_amax)
 
 
-def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Recipe, mode: str):
-    """``(outs, saved inputs, operand)`` of a COAT op's forward through the fused kernels:
-    ``inputs (..., c)`` saved in 1x``saved_group`` groups, ``fn`` of them quantized per tensor
-    and multiplied by each kernel."""
+def _fused_saved_operand(inputs, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mode: str):
+    """``(saved inputs, operand)`` of a COAT op's forward through the fused kernels: ``inputs
+    (..., c)`` saved in 1x``saved_group`` groups, and ``fn`` of them quantized per tensor."""
     lead, cols = inputs[0].shape[:-1], inputs[0].shape[-1]
     saved, yq = _save_and_operand(tuple(x.reshape(-1, cols) for x in inputs), fn, tuple(extras),
                                   whole_rows, recipe, mode)  # fmt: skip
@@ -285,7 +287,13 @@ def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Rec
                        cols)  # fmt: skip
         for q in saved
     )
-    yq = QuantizedArray(yq.data.reshape(*lead, cols), yq.amax)
+    return saved, QuantizedArray(yq.data.reshape(*lead, cols), yq.amax)
+
+
+def _fused_forward(inputs, fn, extras, kernels, whole_rows: bool, recipe: Fp8Recipe, mode: str):
+    """``(outs, saved inputs, operand amax, saved weights)``: :func:`_fused_saved_operand`,
+    then the operand multiplied by each kernel."""
+    saved, yq = _fused_saved_operand(inputs, fn, extras, whole_rows, recipe, mode)
     outs, (_, w_saved) = _project_quantized(yq, kernels, inputs[0].dtype, recipe)
     return outs, saved, yq.amax, w_saved
 
@@ -392,18 +400,31 @@ def _fp8_norm_project(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
 
 def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     del w_dtypes
-    mode = _fused_mode(recipe)
-    if mode is not None:
-        dtype = x.dtype
-        fn = lambda xd, *scale: norm_fp32(xd, *(scale or (None,)), eps, kind).astype(dtype)
-        extras = () if norm_scale is None else (norm_scale,)
-        outs, (xg,), y_amax, w_saved = _fused_forward((x,), fn, extras, kernels, True, recipe,
-                                                      mode)  # fmt: skip
-        return outs, (xg, norm_scale, y_amax, w_saved)
+    if _fused_mode(recipe) is not None:
+        xg, yq = _norm_operand(eps, kind, recipe, x, norm_scale)
+        outs, (_, w_saved) = _project_quantized(yq, kernels, x.dtype, recipe)
+        return outs, (xg, norm_scale, yq.amax, w_saved)
     xg = _save_groups(x, recipe)
     y = norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
     outs, (yq, w_saved) = _project_forward(y, kernels, x.dtype, recipe)
     return outs, (xg, norm_scale, _amax(yq), w_saved)
+
+
+def _norm_operand(eps, kind, recipe, x, norm_scale):
+    """``(x saved in 1x16 groups, norm(x) quantized per tensor)``: the COAT norm's forward up to
+    its GEMMs, for per-tensor FP8 forward GEMMs; through :mod:`pallas_kernels.fused_quantize`
+    where ``recipe.fused_quantize`` picks it. The norm reads the dequantized saved copy, so
+    that backward recomputes the same operand."""
+    dtype = x.dtype
+    mode = _fused_mode(recipe)
+    if mode is not None:
+        fn = lambda xd, *scale: norm_fp32(xd, *(scale or (None,)), eps, kind).astype(dtype)
+        extras = () if norm_scale is None else (norm_scale,)
+        (xg,), yq = _fused_saved_operand((x,), fn, extras, True, recipe, mode)
+        return xg, yq
+    xg = _save_groups(x, recipe)
+    y = norm_fp32(dequantize(xg, dtype), norm_scale, eps, kind).astype(dtype)
+    return xg, quantize(y, recipe.forward)
 
 
 def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts):
@@ -472,6 +493,115 @@ def _fp8_swiglu_project_bwd(w_dtype, recipe, residuals, dout):
 
 
 _fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_mlp: COAT's pre-norm SwiGLU MLP as one op, SwiGLU's saved groups written by the GEMMs.
+
+
+def fp8_mlp(
+    x: jax.Array,
+    norm_scale: jax.Array | None,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    eps: float = 1e-6,
+    recipe: Fp8Recipe = COAT,
+    kind: str = "rms",
+) -> jax.Array:
+    r"""``(silu(norm(x) @ W_g) * (norm(x) @ W_u)) @ W_d``, COAT's MLP, in ``x.dtype``.
+
+    Unfused this is :func:`fp8_norm_project` (gate and up, written in BF16) and then
+    :func:`fp8_swiglu_project`, which reads them back to save them as FP8 1x16 groups. Fused
+    (``recipe.fused_mlp``, :func:`_fused_mlp_mode`) the gate and up GEMMs quantize their fp32
+    products straight into those groups in the kernel's epilogue
+    (:func:`pallas_kernels.fp8_matmul.fp8_matmul_quantize_1x16`):
+
+    .. math::
+        g_q = Q_{1\times16}(s_y s_g\, y_q W_{g,q}), \quad
+        u_q = Q_{1\times16}(s_y s_u\, y_q W_{u,q}), \quad
+        h = \mathrm{silu}(Q^{-1}(g_q)) \cdot Q^{-1}(u_q)
+
+    and neither ``g`` nor ``u`` is written in BF16. The groups are then what the unfused op
+    saves up to one rounding: they quantize the fp32 product, not its BF16 copy. What is saved
+    for backward, and the backward itself, are those of the two ops.
+
+    Args:
+      x: residual stream ``(..., h)``; ``h`` a multiple of ``recipe.saved_group``.
+      norm_scale: RMSNorm weight ``(h,)``; ``None`` for ``kind="layer"``.
+      w_gate, w_up: ``(h, f)``; ``f`` a multiple of ``recipe.saved_group``.
+      w_down: ``(f, h)``.
+      eps, kind: the norm's (:func:`fp8_norm_project`).
+      recipe: the FP8 recipe.
+    """
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"fp8_mlp: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
+    _check_project(x, (w_gate, w_up))
+    _check_groups(x, "fp8_mlp: x", recipe)
+    _check_groups(w_gate, "fp8_mlp: w_gate", recipe)
+    if w_down.ndim != 2 or w_down.shape[0] != w_gate.shape[1]:
+        raise ValueError(f"fp8_mlp: w_down {w_down.shape} does not take w_gate {w_gate.shape}")
+    if _fused_mlp_mode(recipe) is None:
+        gate, up = fp8_norm_project(x, norm_scale, (w_gate, w_up), eps, recipe, kind)
+        return fp8_swiglu_project(gate, up, w_down, recipe)
+    kernels = (w_gate, w_up, w_down)
+    return _fp8_mlp(eps, kind, _dtypes(kernels), recipe, x, norm_scale, kernels)
+
+
+def _fused_mlp_mode(recipe: Fp8Recipe) -> str | None:
+    """``"pallas"`` / ``"interpret"`` where :func:`fp8_mlp` runs fused, else ``None``: per-tensor
+    FP8 forward GEMMs, saved groups the kernel writes (E4M3, 1x16), one device (the kernel is
+    not partitioned yet: under a multi-device mesh the ops run unfused)."""
+    per_tensor = recipe.scaling == "tensor" and recipe.forward_gemm == "fp8"
+    if not per_tensor or (recipe.saved_format, recipe.saved_group) != ("e4m3", fp8_matmul.GROUP):
+        return None
+    mode = dispatch.resolve(recipe.fused_mlp, "fused_mlp")
+    if mode == "reference" or dispatch.multi_device_mesh() is not None:
+        return None
+    return mode
+
+
+def _gemm_groups(yq: QuantizedArray, wq: QuantizedArray, recipe: Fp8Recipe, mode: str):
+    """``y @ W`` of per-tensor FP8 operands as FP8 1x16 groups of the fp32 product (the kernel's
+    epilogue; ``"interpret"``: its jnp reference), shaped as :func:`_save_groups` saves."""
+    lead, n = yq.data.shape[:-1], wq.data.shape[1]
+    args = (_matrix(yq.data), wq.data.T, yq.scale, wq.scale)  # W^T: the kernel's K-major (N, K)
+    if mode == "pallas":
+        q = fp8_matmul.fp8_matmul_quantize_1x16(*args, autotune=recipe.gemm_autotune)
+    else:
+        q = fp8_matmul.fp8_matmul_quantize_1x16_reference(*args)
+    groups = n // fp8_matmul.GROUP
+    return QuantizedArray(q.data.reshape(*lead, groups, fp8_matmul.GROUP),
+                          q.amax.reshape(*lead, groups), None, n)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_mlp(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
+    return _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels)[0]
+
+
+def _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
+    del w_dtypes
+    dtype, mode = x.dtype, _fused_mlp_mode(recipe)
+    w_gate, w_up, w_down = kernels
+    xg, yq = _norm_operand(eps, kind, recipe, x, norm_scale)
+    wqs = (quantize(w_gate, recipe.forward), quantize(w_up, recipe.forward))
+    gq, uq = (_gemm_groups(yq, wq, recipe, mode) for wq in wqs)
+    h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
+    (out,), (hq, w_down_saved) = _project_forward(h, (w_down,), dtype, recipe)
+    norm_residuals = (xg, norm_scale, yq.amax, _saved_weights((w_gate, w_up), wqs, recipe))
+    return out, (norm_residuals, (gq, uq, hq.amax, w_down_saved))
+
+
+def _fp8_mlp_bwd(eps, kind, w_dtypes, recipe, residuals, dout):
+    norm_residuals, swiglu_residuals = residuals
+    dgate, dup, dw_down = _fp8_swiglu_project_bwd(w_dtypes[2], recipe, swiglu_residuals, dout)
+    dx, dscale, (dw_gate, dw_up) = _fp8_norm_project_bwd(eps, kind, w_dtypes[:2], recipe,
+                                                         norm_residuals, (dgate, dup))  # fmt: skip
+    return dx, dscale, (dw_gate, dw_up, dw_down)
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
 
 
 # --------------------------------------------------------------------------------------------
