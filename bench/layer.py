@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import json
 import re
 import subprocess
@@ -41,22 +42,27 @@ VARIANTS = {
     "coat+auto_gemm": ("coat", Fp8Recipe(gemm="auto")),
     "fp8_linear+bf16_product": ("fp8_linear", Fp8Recipe(gemm_product="bf16")),
     "coat+bf16_product": ("coat", Fp8Recipe(gemm_product="bf16")),
+    "coat+fused_mlp": ("coat", Fp8Recipe(fused_mlp="pallas")),
+    "coat+fused_mlp+auto": ("coat", Fp8Recipe(fused_mlp="pallas", gemm="auto")),
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
 ``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``); XLA's FP8 GEMMs writing a
-BF16 product (``--product``: ``Fp8Recipe.gemm_product``)."""
+BF16 product (``--product``: ``Fp8Recipe.gemm_product``); COAT's MLP with SwiGLU's saved groups
+written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's GEMMs elsewhere
+and with ``gemm='auto'``)."""
 
 
 def run_policy(args) -> dict:
     """Measures one policy (or a :data:`VARIANTS` row) in this process."""
     name, recipe = VARIANTS.get(args.policy, (args.policy, None))
+    policy = get_policy(name, recipe)
     block = nn.Block(
         args.hidden,
         args.heads,
         args.kv_heads,
         args.ffn,
-        policy=get_policy(name, recipe),
+        policy=policy,
         rngs=nnx.Rngs(0),
     )
     graph, params = nnx.split(block)
@@ -68,7 +74,7 @@ def run_policy(args) -> dict:
     def forward(x, params):
         return nnx.merge(graph, params)(x, positions)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=policy.compiler_options())  # as train.py's
     def fwd_bwd(x, params):
         out, vjp = jax.vjp(forward, x, params)
         return vjp(cot)
@@ -114,6 +120,9 @@ def main():
                         "with gemm='auto'")
     parser.add_argument("--product", action="store_true",
                         help="add rows: fp8_linear and COAT with Fp8Recipe(gemm_product='bf16')")
+    parser.add_argument("--mlp", action="store_true",
+                        help="add rows: COAT with Fp8Recipe(fused_mlp='pallas'), alone and with "
+                        "gemm='auto'")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -123,7 +132,8 @@ def main():
     rows = []
     extra = [v for v in VARIANTS if (args.fused and v.endswith("fused"))
              or (args.gemm and v.endswith("gemm"))
-             or (args.product and v.endswith("product"))]  # fmt: skip
+             or (args.product and v.endswith("product"))
+             or (args.mlp and "fused_mlp" in v)]  # fmt: skip
     for policy in ("bf16", "fp8_linear", "coat", *extra):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):

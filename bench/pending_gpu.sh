@@ -160,6 +160,12 @@
 #   PART=42 bash bench/pending_gpu.sh  issue 20: all compiled FP8 GEMM tests, then the
 #                                      block-scaled default (autotuned) against per-tensor and
 #                                      cuBLASLt
+#   PART=44 bash bench/pending_gpu.sh  issue 24: the fused MLP's (Fp8Recipe.fused_mlp) compiled
+#                                      tests, then one 7B block per row with and without it
+#                                      (ran 2026-12-05 on an H100)
+#   PART=45 bash bench/pending_gpu.sh  issue 24: the fused MLP with BF16 boundaries against
+#                                      7fcc9e0's (baseline/, carried), COAT and FP8-linear,
+#                                      interleaved
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -215,6 +221,36 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+45)
+  # issue 24: the fused MLP with its BF16 boundaries (SwiGLU's output and gradients kept BF16
+  # behind optimization barriers, maxima before them) against 7fcc9e0's fused MLP (without
+  # them; a git-ignored baseline/ of coat_jax, pallas_kernels and bench/layer.py, carried),
+  # COAT unfused and FP8-linear: one 7B block each, two interleaved rounds
+  echo "== fused MLP compiled test"
+  timeout 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mlp.py 2>&1 | tail -2
+  for round in 1 2; do
+    for row in ".:coat+fused_mlp" "baseline:coat+fused_mlp" ".:coat" ".:fp8_linear"; do
+      tree=${row%%:*} policy=${row#*:}
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 80 $PY bench/layer.py --policy "$policy") \
+        2>/dev/null | tail -1 | sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" \
+        | tee -a "$OUT/layer_fused_mlp_barriers_h200_$DAY.jsonl" | cut -c1-110
+    done
+  done
+  ;;
+44)
+  # issue 24: COAT's MLP with SwiGLU's saved 1x16 groups written by the gate / up GEMMs
+  # (Fp8Recipe.fused_mlp): the compiled tests first, then one 7B block per row, one after
+  # another (bf16, fp8_linear, coat, coat + fused_mlp, coat + fused_mlp + gemm=auto), then
+  # coat + gemm=auto alone (the row the last one compares with)
+  echo "== fused MLP and the 1x16-epilogue GEMM: compiled tests"
+  timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mlp.py \
+    tests/test_pallas_fp8_matmul.py -k "fused_mlp or quantize_1x16" 2>&1 | tail -4
+  echo "== one Llama-2-7B block, batch 4, per row"
+  timeout 330 $PY bench/layer.py --mlp --json "$OUT/layer_fused_mlp_h200_$DAY.json" 2>&1 \
+    | grep -v -i warn | tail -10
+  timeout 90 $PY bench/layer.py --policy coat+auto_gemm 2>&1 | tail -1 \
+    | tee "$OUT/layer_coat_auto_gemm_h200_$DAY.json" | cut -c1-160
+  ;;
 27)
   echo "== Llama-114M: host dispatch, step and back-to-back loop per policy, NNX State vs flat arrays"
   timeout 420 $PY bench/host_dispatch.py --config configs/llama_114m.py \

@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coat_jax.core.quant import QuantizedArray, dequantize, quantize
+from coat_jax.core.quant import QuantizedArray, dequantize, finite_amax, quantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
@@ -119,7 +119,7 @@ def _matrix(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
+def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe, dout_amaxes=None):
     """Shared backward of a projection ``y_i = x @ W_i``: ``(dx, (dW_i, ...))``.
 
     ``x_saved`` / ``w_saved`` are what :func:`_project_forward` returned for backward (per
@@ -128,6 +128,8 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
     in fp32 over several kernels), each ``dW_i`` in its kernel's dtype, straight from its
     GEMM (``partials_in_out_dtype``): with BF16 weights (``grad_dtype=bfloat16``) the weight
     gradients' reduction over data-parallel shards runs in BF16, as the BF16 policy's does.
+    ``dout_amaxes``: each output gradient's ``max |dy|`` where the caller has it
+    (:func:`_materialized`), else measured here.
     """
     if recipe.scaling != "tensor":
         return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
@@ -137,8 +139,9 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe):
     dx = None
     dws = []
     x2 = QuantizedArray(_matrix(x_saved.data), x_saved.amax)
-    for wq, dy, dtype in zip(w_saved, douts, w_dtypes, strict=True):
-        dyq = quantize(dy, recipe.grad)
+    dout_amaxes = (None,) * len(douts) if dout_amaxes is None else dout_amaxes
+    for wq, dy, dy_amax, dtype in zip(w_saved, douts, dout_amaxes, w_dtypes, strict=True):
+        dyq = quantize(dy, recipe.grad, amax=dy_amax)
         term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
         dx = term if dx is None else dx + term
         dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
@@ -427,14 +430,14 @@ def _norm_operand(eps, kind, recipe, x, norm_scale):
     return xg, quantize(y, recipe.forward)
 
 
-def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts):
+def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts, dout_amaxes=None):
     xg, norm_scale, y_amax, w_saved = residuals
     dtype = douts[0].dtype
     xg = _in_backward(xg, douts)
     norm = lambda a, s: norm_fp32(a, s, eps, kind).astype(dtype)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = _backward_x(y, y_amax, recipe)
-    dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe)
+    dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe, dout_amaxes)
     dx, dscale = norm_vjp(dy)
     dscale = None if norm_scale is None else dscale.astype(norm_scale.dtype)
     return dx.astype(douts[0].dtype), dscale, dws
@@ -588,7 +591,9 @@ def _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     wqs = (quantize(w_gate, recipe.forward), quantize(w_up, recipe.forward))
     gq, uq = (_gemm_groups(yq, wq, recipe, mode) for wq in wqs)
     h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
-    (out,), (hq, w_down_saved) = _project_forward(h, (w_down,), dtype, recipe)
+    (h,), (h_amax,) = _materialized((h,))
+    hq = quantize(h, recipe.forward, amax=h_amax)
+    (out,), (_, w_down_saved) = _project_quantized(hq, (w_down,), dtype, recipe)
     norm_residuals = (xg, norm_scale, yq.amax, _saved_weights((w_gate, w_up), wqs, recipe))
     return out, (norm_residuals, (gq, uq, hq.amax, w_down_saved))
 
@@ -596,9 +601,25 @@ def _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
 def _fp8_mlp_bwd(eps, kind, w_dtypes, recipe, residuals, dout):
     norm_residuals, swiglu_residuals = residuals
     dgate, dup, dw_down = _fp8_swiglu_project_bwd(w_dtypes[2], recipe, swiglu_residuals, dout)
+    douts, amaxes = _materialized((dgate, dup))
     dx, dscale, (dw_gate, dw_up) = _fp8_norm_project_bwd(eps, kind, w_dtypes[:2], recipe,
-                                                         norm_residuals, (dgate, dup))  # fmt: skip
+                                                         norm_residuals, douts, amaxes)  # fmt: skip
     return dx, dscale, (dw_gate, dw_up, dw_down)
+
+
+def _materialized(arrays):
+    """``(arrays, their max |x| over finite elements)``, the arrays kept in their own dtype
+    between XLA's fusions (an optimization barrier), their maxima taken before it.
+
+    XLA (``xla_allow_excess_precision``, on by default) drops a BF16 rounding that is read back
+    as fp32 and writes the fp32 value instead: SwiGLU's output ``h`` and its gradients ``dgate``
+    / ``dup`` went to memory in fp32 and the quantizing fusions read them back (a 2-layer 7B
+    profile: SwiGLU's backward 0.34 ms and each E5M2 quantize 0.265 ms a layer, 0.26 and 0.198
+    with that option off; docs/results.md). Behind the barrier they are written in BF16, and
+    their maxima, which the per-tensor scales need first, join the fusion that writes them
+    instead of another pass over them."""
+    amaxes = tuple(finite_amax(a) for a in arrays)
+    return jax.lax.optimization_barrier((tuple(arrays), amaxes))
 
 
 _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
