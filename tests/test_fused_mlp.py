@@ -52,14 +52,16 @@ def mlp_inputs(key, lead=(2, 24), h=64, f=176, kind="rms"):
     return (x, scale, w(kg, h, f), w(ku, h, f), w(kd, f, h)), cot
 
 
-def value_and_grads(recipe, args, cot, kind="rms"):
-    def loss(x, scale, wg, wu, wd):
-        out = flow.fp8_mlp(x, scale, wg, wu, wd, 1e-5, recipe, kind)
+def outputs_and_grads(recipe, args, cot, kind="rms"):
+    """``[output, every gradient]`` of ``fp8_mlp`` (the norm's when it has a weight)."""
+
+    def loss(*args):
+        out = flow.fp8_mlp(*args, 1e-5, recipe, kind)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
 
-    argnums = (0, 2, 3, 4) if args[1] is None else (0, 1, 2, 3, 4)
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
-    return out, grads
+    grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+    (_, out), grads = jax.jit(grad)(*args)
+    return [out, *jax.tree.leaves(grads)]
 
 
 def fp32_mlp(x, scale, wg, wu, wd, kind="rms"):
@@ -76,15 +78,14 @@ def fp32_mlp(x, scale, wg, wu, wd, kind="rms"):
 
 def check_fused_against_unfused(fused: Fp8Recipe, kind: str, lead=(2, 24), h=64, f=176):
     args, cot = mlp_inputs(fresh_key(), lead, h, f, kind)
-    got = value_and_grads(fused, args, cot, kind)
-    want = value_and_grads(UNFUSED, args, cot, kind)
-    diff = [a for a in args if a is not None]
-    call = lambda *a: fp32_mlp(*(a[:1] + ((None,) if args[1] is None else ()) + a[1:]), kind=kind)
-    ref, vjp = jax.vjp(call, *[jnp.asarray(a, jnp.float32) for a in diff])
-    ref_grads = vjp(cot.astype(jnp.float32))
+    got = outputs_and_grads(fused, args, cot, kind)
+    want = outputs_and_grads(UNFUSED, args, cot, kind)
+    args32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), args)
+    ref, vjp = jax.vjp(lambda *a: fp32_mlp(*a, kind=kind), *args32)
+    refs = [ref, *jax.tree.leaves(vjp(cot.astype(jnp.float32)))]
     factor, slack = AS_CLOSE_TO_FP32
-    for g, w, r, tol in zip((got[0], *got[1]), (want[0], *want[1]), (ref, *ref_grads),
-                            (FWD_TOL, *[BWD_TOL] * len(ref_grads)), strict=True):  # fmt: skip
+    tols = [FWD_TOL] + [BWD_TOL] * (len(refs) - 1)
+    for g, w, r, tol in zip(got, want, refs, tols, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape == r.shape
         assert rel_err(g, w) < FUSED_VS_UNFUSED, rel_err(g, w)
         assert rel_err(g, r) < tol, rel_err(g, r)

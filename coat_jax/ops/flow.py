@@ -407,26 +407,29 @@ def _fp8_norm_project_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
         xg, yq = _norm_operand(eps, kind, recipe, x, norm_scale)
         outs, (_, w_saved) = _project_quantized(yq, kernels, x.dtype, recipe)
         return outs, (xg, norm_scale, yq.amax, w_saved)
-    xg = _save_groups(x, recipe)
-    y = norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
+    xg, y = _norm_of_saved(eps, kind, recipe, x, norm_scale)
     outs, (yq, w_saved) = _project_forward(y, kernels, x.dtype, recipe)
     return outs, (xg, norm_scale, _amax(yq), w_saved)
+
+
+def _norm_of_saved(eps, kind, recipe, x, norm_scale):
+    """``(x saved in 1x16 groups, the norm of that saved copy dequantized)``: what backward
+    recomputes is then the forward's operand exactly."""
+    xg = _save_groups(x, recipe)
+    return xg, norm_fp32(dequantize(xg, x.dtype), norm_scale, eps, kind).astype(x.dtype)
 
 
 def _norm_operand(eps, kind, recipe, x, norm_scale):
     """``(x saved in 1x16 groups, norm(x) quantized per tensor)``: the COAT norm's forward up to
     its GEMMs, for per-tensor FP8 forward GEMMs; through :mod:`pallas_kernels.fused_quantize`
-    where ``recipe.fused_quantize`` picks it. The norm reads the dequantized saved copy, so
-    that backward recomputes the same operand."""
-    dtype = x.dtype
+    where ``recipe.fused_quantize`` picks it, else as :func:`_norm_of_saved`."""
     mode = _fused_mode(recipe)
     if mode is not None:
-        fn = lambda xd, *scale: norm_fp32(xd, *(scale or (None,)), eps, kind).astype(dtype)
+        fn = lambda xd, *scale: norm_fp32(xd, *(scale or (None,)), eps, kind).astype(x.dtype)
         extras = () if norm_scale is None else (norm_scale,)
         (xg,), yq = _fused_saved_operand((x,), fn, extras, True, recipe, mode)
         return xg, yq
-    xg = _save_groups(x, recipe)
-    y = norm_fp32(dequantize(xg, dtype), norm_scale, eps, kind).astype(dtype)
+    xg, y = _norm_of_saved(eps, kind, recipe, x, norm_scale)
     return xg, quantize(y, recipe.forward)
 
 
