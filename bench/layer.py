@@ -44,13 +44,17 @@ VARIANTS = {
     "coat+bf16_product": ("coat", Fp8Recipe(gemm_product="bf16")),
     "coat+fused_mlp": ("coat", Fp8Recipe(fused_mlp="pallas")),
     "coat+fused_mlp+auto": ("coat", Fp8Recipe(fused_mlp="pallas", gemm="auto")),
+    "coat+fused_backward": ("coat", Fp8Recipe(fused_backward="pallas")),
+    "coat+fused_mlp+fused_backward": ("coat", Fp8Recipe(fused_mlp="pallas",
+                                                        fused_backward="pallas")),  # fmt: skip
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
 ``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``); XLA's FP8 GEMMs writing a
 BF16 product (``--product``: ``Fp8Recipe.gemm_product``); COAT's MLP with SwiGLU's saved groups
 written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's GEMMs elsewhere
-and with ``gemm='auto'``)."""
+and with ``gemm='auto'``); SwiGLU's backward as one pass over its FP8-saved inputs (``--backward``:
+``Fp8Recipe.fused_backward``, alone and with the fused MLP)."""
 
 
 def run_policy(args) -> dict:
@@ -123,6 +127,9 @@ def main():
     parser.add_argument("--mlp", action="store_true",
                         help="add rows: COAT with Fp8Recipe(fused_mlp='pallas'), alone and with "
                         "gemm='auto'")
+    parser.add_argument("--backward", action="store_true",
+                        help="add rows: COAT with Fp8Recipe(fused_backward='pallas'), alone and "
+                        "with fused_mlp='pallas'")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -133,7 +140,8 @@ def main():
     extra = [v for v in VARIANTS if (args.fused and v.endswith("fused"))
              or (args.gemm and v.endswith("gemm"))
              or (args.product and v.endswith("product"))
-             or (args.mlp and "fused_mlp" in v)]  # fmt: skip
+             or (args.mlp and "fused_mlp" in v and "backward" not in v)
+             or (args.backward and v.endswith("fused_backward"))]  # fmt: skip
     for policy in ("bf16", "fp8_linear", "coat", *extra):
         cmd = [sys.executable, __file__, "--policy", policy]
         for name in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):

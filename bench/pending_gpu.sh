@@ -166,6 +166,11 @@
 #   PART=45 bash bench/pending_gpu.sh  issue 24: the fused MLP with BF16 boundaries against
 #                                      7fcc9e0's (baseline/, carried), COAT and FP8-linear,
 #                                      interleaved
+#   PART=46 bash bench/pending_gpu.sh  issue 24: SwiGLU's fused backward (Fp8Recipe.fused_backward)
+#                                      compiled tests, then one 7B block per row with and without
+#                                      it and the fused MLP, FP8-linear beside, interleaved
+#   PART=47 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4, COAT
+#                                      with and without the fused MLP / backward, FP8-linear
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -189,14 +194,14 @@ train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6
 train_7b_policy() {  # tree, precision, optimizer, batch, log name: Llama-2-7B through the
   # train.py of tree (. or baseline/, whose packages PYTHONPATH's "." then finds), 12 steps,
   # default gradients; the log lands in $OUT/<log name>.txt (PART=29, 34)
-  local tree=$1 precision=$2 opt=$3 batch=$4 log=$5
-  echo "== Llama-2-7B through train.py on $tree: $precision + $opt at batch $batch, 12 steps"
+  local tree=$1 precision=$2 opt=$3 batch=$4 log=$5; shift 5  # then more train.py flags
+  echo "== Llama-2-7B through train.py on $tree: $precision + $opt at batch $batch, 12 steps $*"
   rm -rf /tmp/train_7b_policy
   (cd "$tree" && timeout 190 $PY train.py --config configs/llama2_7b.py \
     --config.batch_size=$batch --config.steps=12 --config.precision=$precision \
     --config.optimizer.name=$opt --config.optimizer.warmup_steps=2 --config.log_interval=4 \
     --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
-    --config.workdir=/tmp/train_7b_policy 2>&1) \
+    --config.workdir=/tmp/train_7b_policy "$@" 2>&1) \
     | tee "$OUT/$log.txt" | grep -E "tokens_per_s|Error|error" | cut -c1-220 | tail -3
 }
 
@@ -221,6 +226,37 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+46)
+  # issue 24: SwiGLU's backward as one Pallas pass over its FP8-saved inputs
+  # (Fp8Recipe.fused_backward): the compiled tests, then one 7B block (batch 4) per row, two
+  # interleaved rounds: COAT with and without it, alone and with the fused MLP, FP8-linear
+  if [ -z "${NO_TESTS:-}" ]; then
+    echo "== fused backward and fused MLP compiled tests"
+    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_fused_backward.py \
+      tests/test_fused_mlp.py 2>&1 | tail -3
+  fi
+  for round in 1 2; do
+    for policy in coat coat+fused_backward coat+fused_mlp coat+fused_mlp+fused_backward \
+                  fp8_linear; do
+      timeout 80 $PY bench/layer.py --policy "$policy" 2>&1 | tail -1 \
+        | sed "s/^{/{\"round\": $round, /" \
+        | tee -a "$OUT/layer_fused_backward_h200_$DAY.jsonl" | cut -c1-110
+    done
+  done
+  ;;
+47)
+  # issue 24: Llama-2-7B through train.py at batch 4, 12 steps each, one after another: COAT +
+  # fp8_adamw as is, with the fused MLP, with it and the fused backward; FP8-linear + adamw
+  for run in "coat_default|" "coat_fused_mlp|--config.fp8.fused_mlp=pallas" \
+             "coat_fused_mlp_backward|--config.fp8.fused_mlp=pallas --config.fp8.fused_backward=pallas" \
+             "fp8_linear|"; do
+    IFS='|' read -r tag flags <<< "$run"
+    precision=${tag%%_default}; precision=${precision%%_fused*}
+    # shellcheck disable=SC2086
+    train_7b_policy . "$precision" "$(policy_optimizer "$precision")" 4 \
+      "train_llama2_7b_b4_${tag}_h200_$DAY" $flags
+  done
+  ;;
 45)
   # issue 24: the fused MLP with its BF16 boundaries (SwiGLU's output and gradients kept BF16
   # behind optimization barriers, maxima before them) against 7fcc9e0's fused MLP (without

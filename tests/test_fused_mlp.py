@@ -8,13 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from blocks import coat_block_saved_bytes
 
 from coat_jax.core.recipe import Fp8Recipe
-from coat_jax.models import nn
-from coat_jax.models.policy import get_policy
 from coat_jax.ops import flow
-from coat_jax.training import residuals
 from pallas_kernels import dispatch, fp8_matmul
 
 UNFUSED, INTERPRET = Fp8Recipe(fused_mlp="reference"), Fp8Recipe(fused_mlp="interpret")
@@ -119,19 +116,8 @@ def test_the_fused_mlp_writes_the_groups_from_the_gemm(monkeypatch):
     assert any(np.array_equal(np.asarray(r, np.float32), gate_codes) for r in saved)
 
 
-def block_saved_bytes(recipe):
-    block = nn.Block(64, 4, 4, 176, policy=get_policy("coat", recipe), rngs=nnx.Rngs(0))
-    graph, params = nnx.split(block)
-
-    def f(x, params):
-        return nnx.merge(graph, params)(x, jnp.broadcast_to(jnp.arange(16), x.shape[:2]))
-
-    args = lambda b: (jax.random.normal(jax.random.key(b), (b, 16, 64), jnp.bfloat16), params)
-    return residuals.activation_bytes_per_example(args, f)
-
-
 def test_the_fused_block_saves_the_same_bytes():
-    assert block_saved_bytes(INTERPRET) == block_saved_bytes(UNFUSED)
+    assert coat_block_saved_bytes(INTERPRET, ffn=176) == coat_block_saved_bytes(UNFUSED, ffn=176)
 
 
 def test_the_fused_mlp_runs_only_where_its_kernel_applies():

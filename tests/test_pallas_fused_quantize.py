@@ -7,16 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from blocks import coat_block_saved_bytes
 
 from coat_jax.core.formats import get_format
 from coat_jax.core.quant import dequantize
 from coat_jax.core.recipe import Fp8Recipe
-from coat_jax.models import nn
-from coat_jax.models.policy import get_policy
 from coat_jax.ops import flow
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
-from coat_jax.training import residuals
 from pallas_kernels import fused_quantize as fq
 
 E4M3 = get_format("e4m3")
@@ -118,19 +115,7 @@ def test_flow_ops_with_the_kernels_equal_the_unfused_ops(op):
 
 def test_fused_forward_saves_no_more_bytes():
     """A COAT block saves the same activation bytes with the kernels as without."""
-    h, t = 64, 16
-
-    def saved(recipe):
-        block = nn.Block(h, 4, 4, 192, policy=get_policy("coat", recipe), rngs=nnx.Rngs(0))
-        graph, params = nnx.split(block)
-
-        def f(x, params):
-            return nnx.merge(graph, params)(x, jnp.broadcast_to(jnp.arange(t), x.shape[:2]))
-
-        args = lambda b: (jax.random.normal(jax.random.key(b), (b, t, h), jnp.bfloat16), params)
-        return residuals.activation_bytes_per_example(args, f)
-
-    assert saved(INTERPRET) == saved(REFERENCE)
+    assert coat_block_saved_bytes(INTERPRET) == coat_block_saved_bytes(REFERENCE)
 
 
 def test_the_kernels_stay_out_of_other_recipes_and_pallas_needs_a_gpu():

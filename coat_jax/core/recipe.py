@@ -42,6 +42,13 @@ field                  default    meaning
                                   fused op with the kernel's jnp reference: Mosaic GPU kernels
                                   have no interpret mode) or ``reference`` (the norm-project
                                   and SwiGLU-project ops, unfused)
+``fused_backward``     ``auto``   SwiGLU's backward as one Pallas pass over its saved 1x16
+                                  groups and the down projection's input gradient: the
+                                  weight-gradient operand ``h``, both input gradients and
+                                  their maxima (``pallas_kernels.fused_backward``; per-tensor
+                                  scaling; per shard under a mesh): ``auto`` (where measured
+                                  faster, ``pallas_kernels.dispatch``), ``pallas``,
+                                  ``interpret`` or ``reference`` (the XLA ops)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 ``saved_weights``      ``fp8``    what backward reads of per-tensor FP8 weights: ``fp8`` (the
                                   forward's codes, kept: 1 byte a parameter held from each
@@ -98,6 +105,7 @@ class Fp8Recipe:
     gemm_autotune: bool = True
     fused_quantize: str = "auto"
     fused_mlp: str = "auto"
+    fused_backward: str = "auto"
     triton_gemm: bool = False
     saved_weights: str = "fp8"
 
@@ -122,7 +130,7 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.gemm_product={self.gemm_product!r}: expected one of {GEMM_PRODUCTS}"
             )
-        for name in ("fused_quantize", "fused_mlp"):
+        for name in ("fused_quantize", "fused_mlp", "fused_backward"):
             if getattr(self, name) not in KERNEL_OPTIONS:
                 raise ValueError(
                     f"Fp8Recipe.{name}={getattr(self, name)!r}: expected one of {KERNEL_OPTIONS}"

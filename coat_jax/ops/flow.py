@@ -50,7 +50,7 @@ from coat_jax.core.quant import QuantizedArray, dequantize, finite_amax, quantiz
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
-from pallas_kernels import dispatch, fp8_matmul, fused_quantize
+from pallas_kernels import dispatch, fp8_matmul, fused_backward, fused_quantize
 
 __all__ = ["fp8_gemm", "fp8_mlp", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
 
@@ -138,16 +138,29 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe, dout
     term_dtype = dx_dtype if len(w_saved) == 1 else jnp.float32
     dx = None
     dws = []
-    x2 = QuantizedArray(_matrix(x_saved.data), x_saved.amax)
     dout_amaxes = (None,) * len(douts) if dout_amaxes is None else dout_amaxes
     for wq, dy, dy_amax, dtype in zip(w_saved, douts, dout_amaxes, w_dtypes, strict=True):
-        dyq = quantize(dy, recipe.grad, amax=dy_amax)
-        term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
+        term, dyq = _input_grad(wq, dy, term_dtype, recipe, dy_amax)
         dx = term if dx is None else dx + term
-        dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
-        dws.append(fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe,
-                            partials_in_out_dtype=True))  # fmt: skip
+        dws.append(_weight_grad(x_saved, dyq, dtype, recipe))
     return dx.astype(dx_dtype), tuple(dws)
+
+
+def _input_grad(wq, dy, dtype, recipe: Fp8Recipe, dy_amax=None):
+    """``(dy @ W^T in dtype, dy quantized)``: a per-tensor projection's input gradient from
+    its FP8 weight ``wq`` and the output gradient, quantized to ``recipe.grad`` (with
+    ``dy_amax`` where the caller measured it)."""
+    dyq = quantize(dy, recipe.grad, amax=dy_amax)
+    return fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=dtype, recipe=recipe), dyq
+
+
+def _weight_grad(xq, dyq, dtype, recipe: Fp8Recipe):
+    """``x^T dy`` over all tokens, in ``dtype``, of the per-tensor FP8 input and output
+    gradient (:func:`fp8_gemm`'s ``partials_in_out_dtype``)."""
+    x2 = QuantizedArray(_matrix(xq.data), xq.amax)
+    dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
+    return fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe,
+                    partials_in_out_dtype=True)  # fmt: skip
 
 
 def _scaled_backward(xt, kernels, douts, w_dtypes, recipe: Fp8Recipe):
@@ -255,12 +268,8 @@ def _save_and_operand(rows, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mod
     if mesh is None:
         return fused_quantize.save_and_operand(rows, fn, extras, **kwargs)
     n_rows, cols = rows[0].shape
-    row_axes = sharding.fits(mesh, sharding.RULES["batch"], n_rows)
-    col_axis = None if whole_rows else sharding.fits(mesh, sharding.RULES["mlp"], cols)
-    if col_axis is not None and (cols // mesh.shape[col_axis]) % recipe.saved_group:
-        col_axis = None  # whole groups on every shard
+    tile, vector = _shard_specs(mesh, n_rows, cols, whole_rows, recipe)
     P = jax.sharding.PartitionSpec
-    tile, vector = P(row_axes, col_axis), P(col_axis)
     amax_of = lambda m: jax.lax.pmax(m, mesh.axis_names)
 
     def local(rows, extras):
@@ -276,6 +285,18 @@ def _save_and_operand(rows, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mod
     saved = tuple(QuantizedArray(c.reshape(n_rows, cols // group, group), a, None, cols)
                   for c, a in saved)  # fmt: skip
     return saved, QuantizedArray(y_codes, y_amax)
+
+
+def _shard_specs(mesh, n_rows: int, cols: int, whole_rows: bool, recipe: Fp8Recipe):
+    """``(tile, vector)`` partition specs of a fused kernel's ``(rows, cols)`` matrices and
+    ``(cols,)`` vectors under ``mesh``: rows split like the batch (``data x fsdp``), an
+    element-wise op's columns like the MLP (``tensor``) where every shard holds whole groups."""
+    row_axes = sharding.fits(mesh, sharding.RULES["batch"], n_rows)
+    col_axis = None if whole_rows else sharding.fits(mesh, sharding.RULES["mlp"], cols)
+    if col_axis is not None and (cols // mesh.shape[col_axis]) % recipe.saved_group:
+        col_axis = None  # whole groups on every shard
+    P = jax.sharding.PartitionSpec
+    return P(row_axes, col_axis), P(col_axis)
 
 
 def _fused_saved_operand(inputs, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mode: str):
@@ -487,15 +508,75 @@ def _fp8_swiglu_project_fwd(w_dtype, recipe, gate, up, kernel):
 
 
 def _fp8_swiglu_project_bwd(w_dtype, recipe, residuals, dout):
+    return _swiglu_project_grads(w_dtype, recipe, residuals, dout)[:3]
+
+
+def _swiglu_project_grads(w_dtype, recipe, residuals, dout):
+    """``(dgate, dup, dW, (max |dgate|, max |dup|) or None)``: SwiGLU-project's backward.
+
+    With the fused backward (:func:`_fused_backward_mode`) the down projection's input
+    gradient ``dh`` comes first, then one kernel reads the saved groups once and writes ``h``'s
+    FP8 codes for the weight gradient, both input gradients and their maxima
+    (:mod:`pallas_kernels.fused_backward`); else XLA's ops, without the maxima."""
     gq, uq, h_amax, w_saved = residuals
     dtype = dout.dtype
     gq, uq = _in_backward((gq, uq), dout)
     swiglu = lambda g, u: swiglu_fp32(g, u).astype(dtype)
-    h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
-    hq = _backward_x(h, h_amax, recipe)
-    dh, (dw,) = _project_backward(hq, w_saved, (dout,), (w_dtype,), recipe)
-    dgate, dup = swiglu_vjp(dh)
-    return dgate.astype(dout.dtype), dup.astype(dout.dtype), dw
+    mode = _fused_backward_mode(recipe)
+    if mode is None:
+        h, swiglu_vjp = jax.vjp(swiglu, dequantize(gq, dtype), dequantize(uq, dtype))
+        hq = _backward_x(h, h_amax, recipe)
+        dh, (dw,) = _project_backward(hq, w_saved, (dout,), (w_dtype,), recipe)
+        dgate, dup = swiglu_vjp(dh)
+        return dgate.astype(dtype), dup.astype(dtype), dw, None
+    (wq,) = _weight_codes(w_saved, dout, recipe)
+    dh, doutq = _input_grad(wq, dout, dtype, recipe)
+    hq, (dgate, dup), maxima = _operand_and_grads((gq, uq), dh, swiglu, h_amax, recipe, mode)
+    return dgate, dup, _weight_grad(hq, doutq, w_dtype, recipe), maxima
+
+
+def _fused_backward_mode(recipe: Fp8Recipe) -> str | None:
+    """``"pallas"`` / ``"interpret"`` where SwiGLU's backward runs
+    :mod:`pallas_kernels.fused_backward` (per-tensor scaling), else ``None``."""
+    if recipe.scaling != "tensor":
+        return None
+    mode = dispatch.resolve(recipe.fused_backward, "fused_backward")
+    return None if mode == "reference" else mode
+
+
+def _operand_and_grads(saved, dy, fn, y_amax, recipe: Fp8Recipe, mode: str):
+    """:func:`pallas_kernels.fused_backward.operand_and_grads` of saved groups ``(..., c)`` and
+    the output gradient ``dy``; under a multi-device mesh on every device's shard (as
+    :func:`_save_and_operand`), the gradients' maxima the ``pmax`` of the shards'."""
+    lead, cols = dy.shape[:-1], dy.shape[-1]
+    group = saved[0].data.shape[-1]
+    dy2 = dy.reshape(-1, cols)
+    kwargs = dict(operand_fmt=recipe.forward, interpret=mode == "interpret")
+    mesh = dispatch.multi_device_mesh()
+    n_rows, n = dy2.shape[0], len(saved)
+    codes = tuple(q.data.reshape(n_rows, cols) for q in saved)
+    maxima = tuple(q.amax.reshape(n_rows, -1) for q in saved)
+
+    def local(codes, maxima, dy, amax_of=None):
+        qs = tuple(QuantizedArray(c.reshape(c.shape[0], -1, group), m, None, c.shape[-1])
+                   for c, m in zip(codes, maxima, strict=True))  # fmt: skip
+        yq, grads, grad_maxima = fused_backward.operand_and_grads(
+            qs, dy, fn, operand_amax=y_amax, amax_of=amax_of, **kwargs)
+        return yq.data, grads, grad_maxima
+
+    if mesh is None:
+        y_codes, grads, grad_maxima = local(codes, maxima, dy2)
+    else:
+        tile, _ = _shard_specs(mesh, n_rows, cols, False, recipe)
+        P = jax.sharding.PartitionSpec
+        amax_of = lambda m: jax.lax.pmax(m, mesh.axis_names)
+        y_codes, grads, grad_maxima = jax.shard_map(
+            lambda c, m, d: local(c, m, d, amax_of), mesh=mesh,
+            in_specs=((tile,) * n, (tile,) * n, tile),
+            out_specs=(tile, (tile,) * n, (P(),) * n), check_vma=False,
+        )(codes, maxima, dy2)  # fmt: skip
+    grads = tuple(g.reshape(*lead, cols) for g in grads)
+    return QuantizedArray(y_codes.reshape(*lead, cols), y_amax), grads, grad_maxima
 
 
 _fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
@@ -603,8 +684,11 @@ def _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
 
 def _fp8_mlp_bwd(eps, kind, w_dtypes, recipe, residuals, dout):
     norm_residuals, swiglu_residuals = residuals
-    dgate, dup, dw_down = _fp8_swiglu_project_bwd(w_dtypes[2], recipe, swiglu_residuals, dout)
-    douts, amaxes = _materialized((dgate, dup))
+    dgate, dup, dw_down, amaxes = _swiglu_project_grads(w_dtypes[2], recipe, swiglu_residuals,
+                                                        dout)  # fmt: skip
+    douts = (dgate, dup)
+    if amaxes is None:
+        douts, amaxes = _materialized(douts)
     dx, dscale, (dw_gate, dw_up) = _fp8_norm_project_bwd(eps, kind, w_dtypes[:2], recipe,
                                                          norm_residuals, douts, amaxes)  # fmt: skip
     return dx, dscale, (dw_gate, dw_up, dw_down)
