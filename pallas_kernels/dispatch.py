@@ -59,8 +59,9 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # epilogue (coat_jax.ops.flow.fp8_mlp, pallas_kernels.fp8_matmul.fp8_matmul_quantize_1x16):
     # not yet timed in a block against the unfused ops.
     "fused_mlp": False,
-    # SwiGLU's backward as one pass over its FP8-saved inputs (pallas_kernels/fused_backward.py,
-    # coat_jax.ops.flow): not yet timed in a block against the XLA ops.
+    # SwiGLU's and the norms' backwards as one pass each over their FP8-saved inputs
+    # (pallas_kernels/fused_backward.py, coat_jax.ops.flow): not yet timed in a block against
+    # the XLA ops.
     "fused_backward": False,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.

@@ -42,13 +42,14 @@ field                  default    meaning
                                   fused op with the kernel's jnp reference: Mosaic GPU kernels
                                   have no interpret mode) or ``reference`` (the norm-project
                                   and SwiGLU-project ops, unfused)
-``fused_backward``     ``auto``   SwiGLU's backward as one Pallas pass over its saved 1x16
-                                  groups and the down projection's input gradient: the
-                                  weight-gradient operand ``h``, both input gradients and
-                                  their maxima (``pallas_kernels.fused_backward``; per-tensor
-                                  scaling; per shard under a mesh): ``auto`` (where measured
-                                  faster, ``pallas_kernels.dispatch``), ``pallas``,
-                                  ``interpret`` or ``reference`` (the XLA ops)
+``fused_backward``     ``auto``   SwiGLU's and the norms' backwards as one Pallas pass each
+                                  over their saved 1x16 groups and the next projection's input
+                                  gradient: the weight-gradient operand, the input gradients
+                                  and their maxima, the norm weight's gradient
+                                  (``pallas_kernels.fused_backward``; per-tensor scaling; per
+                                  shard under a mesh): ``auto`` (where measured faster,
+                                  ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
+                                  ``reference`` (the XLA ops)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 ``saved_weights``      ``fp8``    what backward reads of per-tensor FP8 weights: ``fp8`` (the
                                   forward's codes, kept: 1 byte a parameter held from each

@@ -133,34 +133,37 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe, dout
     """
     if recipe.scaling != "tensor":
         return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
+    dx, dyqs = _input_grads(w_saved, douts, recipe, dout_amaxes)
+    return dx, _weight_grads(x_saved, dyqs, w_dtypes, recipe)
+
+
+def _input_grads(w_saved, douts, recipe: Fp8Recipe, dout_amaxes=None):
+    """``(dx, (dy_i quantized, ...))`` of per-tensor projections ``y_i = x @ W_i``: ``dx =
+    sum_i dy_i @ W_i^T`` in the output gradients' dtype (summed in fp32 over several kernels),
+    and the output gradients in ``recipe.grad`` for the weight gradients
+    (:func:`_weight_grads`)."""
     w_saved = _weight_codes(w_saved, douts[0], recipe)
     dx_dtype = douts[0].dtype
     term_dtype = dx_dtype if len(w_saved) == 1 else jnp.float32
-    dx = None
-    dws = []
+    dx, dyqs = None, []
     dout_amaxes = (None,) * len(douts) if dout_amaxes is None else dout_amaxes
-    for wq, dy, dy_amax, dtype in zip(w_saved, douts, dout_amaxes, w_dtypes, strict=True):
-        term, dyq = _input_grad(wq, dy, term_dtype, recipe, dy_amax)
+    for wq, dy, dy_amax in zip(w_saved, douts, dout_amaxes, strict=True):
+        dyq = quantize(dy, recipe.grad, amax=dy_amax)
+        term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
         dx = term if dx is None else dx + term
-        dws.append(_weight_grad(x_saved, dyq, dtype, recipe))
-    return dx.astype(dx_dtype), tuple(dws)
+        dyqs.append(dyq)
+    return dx.astype(dx_dtype), tuple(dyqs)
 
 
-def _input_grad(wq, dy, dtype, recipe: Fp8Recipe, dy_amax=None):
-    """``(dy @ W^T in dtype, dy quantized)``: a per-tensor projection's input gradient from
-    its FP8 weight ``wq`` and the output gradient, quantized to ``recipe.grad`` (with
-    ``dy_amax`` where the caller measured it)."""
-    dyq = quantize(dy, recipe.grad, amax=dy_amax)
-    return fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=dtype, recipe=recipe), dyq
-
-
-def _weight_grad(xq, dyq, dtype, recipe: Fp8Recipe):
-    """``x^T dy`` over all tokens, in ``dtype``, of the per-tensor FP8 input and output
-    gradient (:func:`fp8_gemm`'s ``partials_in_out_dtype``)."""
-    x2 = QuantizedArray(_matrix(xq.data), xq.amax)
-    dy2 = QuantizedArray(_matrix(dyq.data), dyq.amax)
-    return fp8_gemm(x2, dy2, contract=(0, 0), out_dtype=dtype, recipe=recipe,
-                    partials_in_out_dtype=True)  # fmt: skip
+def _weight_grads(x_saved, dyqs, w_dtypes, recipe: Fp8Recipe):
+    """``(x^T dy_i, ...)`` over all tokens of the per-tensor FP8 input and quantized output
+    gradients, each in its weight's dtype (:func:`fp8_gemm`'s ``partials_in_out_dtype``)."""
+    x2 = QuantizedArray(_matrix(x_saved.data), x_saved.amax)
+    return tuple(
+        fp8_gemm(x2, QuantizedArray(_matrix(dyq.data), dyq.amax), contract=(0, 0),
+                 out_dtype=dtype, recipe=recipe, partials_in_out_dtype=True)
+        for dyq, dtype in zip(dyqs, w_dtypes, strict=True)
+    )  # fmt: skip
 
 
 def _scaled_backward(xt, kernels, douts, w_dtypes, recipe: Fp8Recipe):
@@ -458,7 +461,14 @@ def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts, dout_am
     xg, norm_scale, y_amax, w_saved = residuals
     dtype = douts[0].dtype
     xg = _in_backward(xg, douts)
-    norm = lambda a, s: norm_fp32(a, s, eps, kind).astype(dtype)
+    norm = lambda a, s=None: norm_fp32(a, s, eps, kind).astype(dtype)
+    mode = _fused_backward_mode(recipe)
+    if mode is not None:  # dy first, then one kernel reads the saved groups once
+        dy, dyqs = _input_grads(w_saved, douts, recipe, dout_amaxes)
+        extras = () if norm_scale is None else (norm_scale,)
+        yq, (dx,), _, dscale = _operand_and_grads((xg,), dy, norm, extras, y_amax, recipe, mode,
+                                                  whole_rows=True)  # fmt: skip
+        return dx, (dscale or (None,))[0], _weight_grads(yq, dyqs, w_dtypes, recipe)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = _backward_x(y, y_amax, recipe)
     dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe, dout_amaxes)
@@ -529,14 +539,14 @@ def _swiglu_project_grads(w_dtype, recipe, residuals, dout):
         dh, (dw,) = _project_backward(hq, w_saved, (dout,), (w_dtype,), recipe)
         dgate, dup = swiglu_vjp(dh)
         return dgate.astype(dtype), dup.astype(dtype), dw, None
-    (wq,) = _weight_codes(w_saved, dout, recipe)
-    dh, doutq = _input_grad(wq, dout, dtype, recipe)
-    hq, (dgate, dup), maxima = _operand_and_grads((gq, uq), dh, swiglu, h_amax, recipe, mode)
-    return dgate, dup, _weight_grad(hq, doutq, w_dtype, recipe), maxima
+    dh, doutqs = _input_grads(w_saved, (dout,), recipe)
+    hq, (dgate, dup), maxima, _ = _operand_and_grads((gq, uq), dh, swiglu, (), h_amax, recipe,
+                                                     mode)  # fmt: skip
+    return dgate, dup, _weight_grads(hq, doutqs, (w_dtype,), recipe)[0], maxima
 
 
 def _fused_backward_mode(recipe: Fp8Recipe) -> str | None:
-    """``"pallas"`` / ``"interpret"`` where SwiGLU's backward runs
+    """``"pallas"`` / ``"interpret"`` where SwiGLU's and the norm-project ops' backwards run
     :mod:`pallas_kernels.fused_backward` (per-tensor scaling), else ``None``."""
     if recipe.scaling != "tensor":
         return None
@@ -544,39 +554,43 @@ def _fused_backward_mode(recipe: Fp8Recipe) -> str | None:
     return None if mode == "reference" else mode
 
 
-def _operand_and_grads(saved, dy, fn, y_amax, recipe: Fp8Recipe, mode: str):
-    """:func:`pallas_kernels.fused_backward.operand_and_grads` of saved groups ``(..., c)`` and
-    the output gradient ``dy``; under a multi-device mesh on every device's shard (as
-    :func:`_save_and_operand`), the gradients' maxima the ``pmax`` of the shards'."""
+def _operand_and_grads(saved, dy, fn, extras, y_amax, recipe: Fp8Recipe, mode: str,
+                       whole_rows: bool = False):  # fmt: skip
+    """:func:`pallas_kernels.fused_backward.operand_and_grads` of saved groups ``(..., c)``, the
+    output gradient ``dy`` and vectors ``extras (c,)``; under a multi-device mesh on every
+    device's shard (as :func:`_save_and_operand`): the gradients' maxima the ``pmax`` of the
+    shards', the extras' gradients the ``psum`` over the row shards."""
     lead, cols = dy.shape[:-1], dy.shape[-1]
     group = saved[0].data.shape[-1]
     dy2 = dy.reshape(-1, cols)
-    kwargs = dict(operand_fmt=recipe.forward, interpret=mode == "interpret")
+    kwargs = dict(operand_fmt=recipe.forward, whole_rows=whole_rows, interpret=mode == "interpret")
     mesh = dispatch.multi_device_mesh()
     n_rows, n = dy2.shape[0], len(saved)
     codes = tuple(q.data.reshape(n_rows, cols) for q in saved)
     maxima = tuple(q.amax.reshape(n_rows, -1) for q in saved)
 
-    def local(codes, maxima, dy, amax_of=None):
+    def local(codes, maxima, dy, extras, **reductions):
         qs = tuple(QuantizedArray(c.reshape(c.shape[0], -1, group), m, None, c.shape[-1])
                    for c, m in zip(codes, maxima, strict=True))  # fmt: skip
-        yq, grads, grad_maxima = fused_backward.operand_and_grads(
-            qs, dy, fn, operand_amax=y_amax, amax_of=amax_of, **kwargs)
-        return yq.data, grads, grad_maxima
+        yq, grads, grad_maxima, extra_grads = fused_backward.operand_and_grads(
+            qs, dy, fn, extras, operand_amax=y_amax, **reductions, **kwargs)
+        return yq.data, grads, grad_maxima, extra_grads
 
     if mesh is None:
-        y_codes, grads, grad_maxima = local(codes, maxima, dy2)
+        y_codes, grads, grad_maxima, extra_grads = local(codes, maxima, dy2, extras)
     else:
-        tile, _ = _shard_specs(mesh, n_rows, cols, False, recipe)
+        tile, vector = _shard_specs(mesh, n_rows, cols, whole_rows, recipe)
         P = jax.sharding.PartitionSpec
-        amax_of = lambda m: jax.lax.pmax(m, mesh.axis_names)
-        y_codes, grads, grad_maxima = jax.shard_map(
-            lambda c, m, d: local(c, m, d, amax_of), mesh=mesh,
-            in_specs=((tile,) * n, (tile,) * n, tile),
-            out_specs=(tile, (tile,) * n, (P(),) * n), check_vma=False,
-        )(codes, maxima, dy2)  # fmt: skip
+        row_axes = tile[0]
+        reductions = dict(amax_of=lambda m: jax.lax.pmax(m, mesh.axis_names),
+                          sum_of=lambda s: jax.lax.psum(s, row_axes) if row_axes else s)
+        y_codes, grads, grad_maxima, extra_grads = jax.shard_map(
+            lambda c, m, d, e: local(c, m, d, e, **reductions), mesh=mesh,
+            in_specs=((tile,) * n, (tile,) * n, tile, (vector,) * len(extras)),
+            out_specs=(tile, (tile,) * n, (P(),) * n, (vector,) * len(extras)), check_vma=False,
+        )(codes, maxima, dy2, tuple(extras))  # fmt: skip
     grads = tuple(g.reshape(*lead, cols) for g in grads)
-    return QuantizedArray(y_codes.reshape(*lead, cols), y_amax), grads, grad_maxima
+    return QuantizedArray(y_codes.reshape(*lead, cols), y_amax), grads, grad_maxima, extra_grads
 
 
 _fp8_swiglu_project.defvjp(_fp8_swiglu_project_fwd, _fp8_swiglu_project_bwd)
