@@ -651,29 +651,45 @@ def fp8_mlp(
 
 def _fused_mlp_mode(recipe: Fp8Recipe) -> str | None:
     """``"pallas"`` / ``"interpret"`` where :func:`fp8_mlp` runs fused, else ``None``: per-tensor
-    FP8 forward GEMMs, saved groups the kernel writes (E4M3, 1x16), one device (the kernel is
-    not partitioned yet: under a multi-device mesh the ops run unfused)."""
+    FP8 forward GEMMs, saved groups the kernel writes (E4M3, 1x16)."""
     per_tensor = recipe.scaling == "tensor" and recipe.forward_gemm == "fp8"
     if not per_tensor or (recipe.saved_format, recipe.saved_group) != ("e4m3", fp8_matmul.GROUP):
         return None
     mode = dispatch.resolve(recipe.fused_mlp, "fused_mlp")
-    if mode == "reference" or dispatch.multi_device_mesh() is not None:
-        return None
-    return mode
+    return None if mode == "reference" else mode
 
 
 def _gemm_groups(yq: QuantizedArray, wq: QuantizedArray, recipe: Fp8Recipe, mode: str):
     """``y @ W`` of per-tensor FP8 operands as FP8 1x16 groups of the fp32 product (the kernel's
-    epilogue; ``"interpret"``: its jnp reference), shaped as :func:`_save_groups` saves."""
+    epilogue; ``"interpret"``: its jnp reference), shaped as :func:`_save_groups` saves. Under a
+    multi-device mesh on every device's shard: its tokens' rows (``data x fsdp``) times the
+    weight gathered along ``K``, its ``tensor`` slice of ``N`` where that holds whole groups
+    (:func:`_shard_specs`); no reduction."""
     lead, n = yq.data.shape[:-1], wq.data.shape[1]
-    args = (_matrix(yq.data), wq.data.T, yq.scale, wq.scale)  # W^T: the kernel's K-major (N, K)
-    if mode == "pallas":
-        q = fp8_matmul.fp8_matmul_quantize_1x16(*args, autotune=recipe.gemm_autotune)
+    y2 = _matrix(yq.data)
+
+    def local(y, w_t, y_scale, w_scale):  # w_t = W^T: the kernel's K-major (N, K)
+        if mode == "pallas":
+            q = fp8_matmul.fp8_matmul_quantize_1x16(y, w_t, y_scale, w_scale,
+                                                    autotune=recipe.gemm_autotune)  # fmt: skip
+        else:
+            q = fp8_matmul.fp8_matmul_quantize_1x16_reference(y, w_t, y_scale, w_scale)
+        return q.data, q.amax
+
+    args = (y2, wq.data.T, yq.scale, wq.scale)
+    mesh = dispatch.multi_device_mesh()
+    if mesh is None:
+        codes, amax = local(*args)
     else:
-        q = fp8_matmul.fp8_matmul_quantize_1x16_reference(*args)
+        (rows, col), _ = _shard_specs(mesh, y2.shape[0], n, False, recipe)
+        P = jax.sharding.PartitionSpec
+        codes, amax = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(rows, None), P(col, None), P(), P()),
+            out_specs=(P(rows, col, None), P(rows, col)), check_vma=False,
+        )(*args)  # fmt: skip
     groups = n // fp8_matmul.GROUP
-    return QuantizedArray(q.data.reshape(*lead, groups, fp8_matmul.GROUP),
-                          q.amax.reshape(*lead, groups), None, n)  # fmt: skip
+    return QuantizedArray(codes.reshape(*lead, groups, fp8_matmul.GROUP),
+                          amax.reshape(*lead, groups), None, n)  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
