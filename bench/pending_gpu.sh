@@ -171,6 +171,9 @@
 #                                      it and the fused MLP, FP8-linear beside, interleaved
 #   PART=47 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4, COAT
 #                                      with and without the fused MLP / backward, FP8-linear
+#   PART=48 bash bench/pending_gpu.sh  issue 24: a 2-layer Llama-2-7B step at batch 8 by op:
+#                                      FP8-linear, COAT as is, COAT with the fused MLP and
+#                                      backward (bench/profile_step.py JSON, one archive)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -226,6 +229,23 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+48)
+  # issue 24 item 4: where a COAT step's time goes at batch 8, before and after the fused MLP
+  # and backward, FP8-linear beside (2 layers of Llama-2-7B: the whole model's step at batch 8
+  # needs more than an H100's memory under fp8_linear)
+  for run in "fp8_linear|fp8_linear|adamw|" "coat|coat|fp8_adamw|" \
+             "coat_fused|coat|fp8_adamw|--set fp8.fused_mlp=pallas --set fp8.fused_backward=pallas"; do
+    IFS='|' read -r tag precision opt extra <<< "$run"
+    name="profile_7b_2layers_b8_${tag}_h200_$DAY"
+    echo "== 2-layer Llama-2-7B step, batch 8: $tag"
+    # shellcheck disable=SC2086
+    timeout 170 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
+      --set precision=$precision --set optimizer.name=$opt $extra --top 400 \
+      --json "$OUT/$name.json" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -14
+  done
+  (cd "$OUT" && tar czf "profiles_b8_fused_h200_$DAY.tgz" profile_7b_2layers_b8_*.json \
+    && rm -f profile_7b_2layers_b8_*.json)
+  ;;
 46)
   # issue 24: SwiGLU's backward as one Pallas pass over its FP8-saved inputs
   # (Fp8Recipe.fused_backward): the compiled tests, then one 7B block (batch 4) per row, two

@@ -51,7 +51,8 @@ __all__ = ["FusedBackwardTuning", "operand_and_grads", "operand_and_grads_refere
 
 @dataclasses.dataclass(frozen=True)
 class FusedBackwardTuning:
-    """Tile and launch knobs (block dims powers of two; ``max_cols`` bounds whole-row tiles)."""
+    """Tile and launch knobs (block dims powers of two; ``max_cols`` bounds whole-row tiles,
+    which hold at most ``block_rows x block_cols`` elements)."""
 
     block_rows: int = 16
     block_cols: int = 1024
@@ -132,7 +133,10 @@ def _kernel_or_reference(saved, dy, fn, extras, operand_fmt, operand_amax, whole
     n, m, (rows, cols), dtype = len(saved), len(extras), dy.shape, dy.dtype
     fmt, group = saved[0].fmt, saved[0].data.shape[-1]
     max_cols = tuning.max_cols if whole_rows else tuning.block_cols
-    blocks = block_shape(rows, cols, group, tuning.block_rows, max_cols) if rows else None
+    # a whole-row tile holds no more elements than a block_rows x block_cols one
+    max_rows = max(1, tuning.block_rows * tuning.block_cols // cols) if whole_rows else \
+        tuning.block_rows  # fmt: skip
+    blocks = block_shape(rows, cols, group, max_rows, max_cols) if rows else None
     if (blocks is None or (whole_rows and blocks[1] != cols)
             or any(q.k is not None or q.last_dim != cols for q in saved)):  # fmt: skip
         return _reference(saved, dy, fn, extras, operand_fmt, operand_amax)
