@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as pl_triton
 from coat_jax.core.formats import Fp8Format
 from coat_jax.core.quant import QuantizedArray, decode, dequantize, encode, finite_amax, quantize
 from pallas_kernels import dispatch
-from pallas_kernels.tiling import block_shape
+from pallas_kernels.tiling import block_shape, pow2_divisor
 
 __all__ = ["FusedBackwardTuning", "operand_and_grads", "operand_and_grads_reference"]
 
@@ -52,11 +52,14 @@ __all__ = ["FusedBackwardTuning", "operand_and_grads", "operand_and_grads_refere
 @dataclasses.dataclass(frozen=True)
 class FusedBackwardTuning:
     """Tile and launch knobs (block dims powers of two; ``max_cols`` bounds whole-row tiles,
-    which hold at most ``block_rows x block_cols`` elements)."""
+    which hold at most ``block_rows x block_cols`` elements; an op with a weight walks
+    ``rows_per_program`` rows a program, tile by tile, so that its weight's gradient has one
+    fp32 row of partial sums a program)."""
 
     block_rows: int = 16
     block_cols: int = 1024
     max_cols: int = 8192
+    rows_per_program: int = 32
     num_warps: int = 8
     num_stages: int = 1
 
@@ -141,9 +144,12 @@ def _kernel_or_reference(saved, dy, fn, extras, operand_fmt, operand_amax, whole
             or any(q.k is not None or q.last_dim != cols for q in saved)):  # fmt: skip
         return _reference(saved, dy, fn, extras, operand_fmt, operand_amax)
     br, bc = blocks
-    grid = (rows // br, cols // bc)
-    tile = pl.BlockSpec((br, bc), lambda i, j: (i, j))
-    group_tile = pl.BlockSpec((br, bc // group), lambda i, j: (i, j))
+    # with a weight, a program walks rb rows in tiles of br, summing its gradient as it goes:
+    # one fp32 row of partial sums a program, not a tile
+    rb = pow2_divisor(rows, max(br, tuning.rows_per_program)) if m else br
+    grid = (rows // rb, cols // bc)
+    tile = pl.BlockSpec((rb, bc), lambda i, j: (i, j))
+    group_tile = pl.BlockSpec((rb, bc // group), lambda i, j: (i, j))
     vector = pl.BlockSpec((1, bc), lambda i, j: (0, j))
     scalar = pl.BlockSpec((1, 1), lambda i, j: (0, 0))
     tile_max = pl.BlockSpec((1, 1), lambda i, j: (i, j))
@@ -153,19 +159,35 @@ def _kernel_or_reference(saved, dy, fn, extras, operand_fmt, operand_amax, whole
         dy_ref, amax_ref, y_ref = refs[2 * n + m : 2 * n + m + 3]  # then the outputs
         outs = refs[2 * n + m + 3 :]
         g_refs, mx_refs, s_refs = outs[:n], outs[n : 2 * n], outs[2 * n :]
-        xs = []
-        for c_ref, a_ref in zip(c_refs, a_refs, strict=True):
-            x = decode(c_ref[...].reshape(br, bc // group, group), a_ref[...], None, fmt)
-            xs.append(x.reshape(br, bc).astype(dtype))
-        y, vjp = jax.vjp(fn, *xs, *(e[...].astype(jnp.float32) for e in e_refs))
-        y_ref[...] = encode(y, operand_fmt, False, per_group=False, amax=amax_ref[0, 0])[0]
-        cots = vjp(dy_ref[...])
-        for g, g_ref, mx_ref in zip(cots[:n], g_refs, mx_refs, strict=True):
-            g = g.astype(dtype)
-            g_ref[...] = g
-            mx_ref[...] = finite_amax(g, keepdims=True).reshape(1, 1)
-        for g, s_ref in zip(cots[n:], s_refs, strict=True):
-            s_ref[...] = g.reshape(1, bc)
+        es = tuple(e[...].astype(jnp.float32) for e in e_refs)
+
+        def rows_tile(k, carry):  # rows [k br, (k + 1) br) of the program's block
+            maxima, sums = carry
+            r = slice(None) if rb == br else pl.ds(pl.multiple_of(k * br, br), br)
+            xs = []
+            for c_ref, a_ref in zip(c_refs, a_refs, strict=True):
+                x = decode(c_ref[r, :].reshape(br, bc // group, group), a_ref[r, :], None, fmt)
+                xs.append(x.reshape(br, bc).astype(dtype))
+            y, vjp = jax.vjp(fn, *xs, *es)
+            y_ref[r, :] = encode(y, operand_fmt, False, per_group=False, amax=amax_ref[0, 0])[0]
+            cots = vjp(dy_ref[r, :])
+            new_maxima = []
+            for g, g_ref, mx in zip(cots[:n], g_refs, maxima, strict=True):
+                g = g.astype(dtype)
+                g_ref[r, :] = g
+                new_maxima.append(jnp.maximum(mx, finite_amax(g)))
+            new_sums = tuple(s + g.reshape(1, bc) for s, g in zip(sums, cots[n:], strict=True))
+            return tuple(new_maxima), new_sums
+
+        init = ((jnp.float32(0),) * n, (jnp.zeros((1, bc), jnp.float32),) * m)
+        if rb == br:
+            maxima, sums = rows_tile(0, init)
+        else:
+            maxima, sums = jax.lax.fori_loop(0, rb // br, rows_tile, init)
+        for mx, mx_ref in zip(maxima, mx_refs, strict=True):
+            mx_ref[...] = jnp.reshape(mx, (1, 1))
+        for sm, s_ref in zip(sums, s_refs, strict=True):
+            s_ref[...] = sm
 
     matrix = lambda dt: jax.ShapeDtypeStruct((rows, cols), dt)
     y_codes, *outs = pl.pallas_call(
