@@ -47,6 +47,8 @@ VARIANTS = {
     "coat+fused_backward": ("coat", Fp8Recipe(fused_backward="pallas")),
     "coat+fused_mlp+fused_backward": ("coat", Fp8Recipe(fused_mlp="pallas",
                                                         fused_backward="pallas")),  # fmt: skip
+    "coat+all_fused+fused_backward": ("coat", Fp8Recipe(fused_quantize="pallas", fused_mlp="pallas",
+                                                        fused_backward="pallas")),  # fmt: skip
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
@@ -54,7 +56,8 @@ VARIANTS = {
 BF16 product (``--product``: ``Fp8Recipe.gemm_product``); COAT's MLP with SwiGLU's saved groups
 written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's GEMMs elsewhere
 and with ``gemm='auto'``); SwiGLU's backward as one pass over its FP8-saved inputs (``--backward``:
-``Fp8Recipe.fused_backward``, alone and with the fused MLP)."""
+``Fp8Recipe.fused_backward``, alone, with the fused MLP, and with it and the fused quantize
+kernels)."""
 
 
 def run_policy(args) -> dict:
@@ -128,8 +131,8 @@ def main():
                         help="add rows: COAT with Fp8Recipe(fused_mlp='pallas'), alone and with "
                         "gemm='auto'")
     parser.add_argument("--backward", action="store_true",
-                        help="add rows: COAT with Fp8Recipe(fused_backward='pallas'), alone and "
-                        "with fused_mlp='pallas'")
+                        help="add rows: COAT with Fp8Recipe(fused_backward='pallas'), alone, "
+                        "with fused_mlp='pallas', and with it and fused_quantize='pallas'")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
