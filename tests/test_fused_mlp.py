@@ -4,15 +4,13 @@ On the CPU the fused op runs with the GEMM's jnp reference (``Fp8Recipe(fused_ml
 on a Hopper GPU (marker ``gpu``) with the Mosaic GPU kernel.
 """
 
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from blocks import coat_block_saved_bytes
+from blocks import MESH_MLP, coat_block_saved_bytes, run_on_8_devices
 
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import flow
@@ -139,53 +137,21 @@ def test_the_fused_mlp_runs_only_where_its_kernel_applies():
         Fp8Recipe(fused_mlp="triton")
 
 
-SHARDED_SCRIPT = textwrap.dedent(
+SHARDED_SCRIPT = MESH_MLP + textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np
-    from coat_jax.core.recipe import Fp8Recipe
-    from coat_jax.ops import flow, sharding
     from pallas_kernels import fp8_matmul
-
-    P = jax.sharding.PartitionSpec
-    mesh = sharding.make_mesh(2, 2, 2)
-    k = jax.random.split(jax.random.key(0), 6)
-    x = jax.random.normal(k[0], (8, 16, 128)).astype(jnp.bfloat16)
-    scale = (1 + 0.1 * jax.random.normal(k[1], (128,))).astype(jnp.bfloat16)
-    wg, wu = (jax.random.normal(kk, (128, 256)) * 0.1 for kk in k[2:4])
-    wd = jax.random.normal(k[4], (256, 128)) * 0.06
-    cot = jax.random.normal(k[5], (8, 16, 128)).astype(jnp.bfloat16)
     calls = []
     kernel = fp8_matmul.fp8_matmul_quantize_1x16_reference
     fp8_matmul.fp8_matmul_quantize_1x16_reference = (
         lambda a, b, *r, **kw: calls.append((a.shape, b.shape)) or kernel(a, b, *r, **kw))
 
-    def run(recipe, on_mesh):
-        loss = lambda *a: jnp.sum(flow.fp8_mlp(*a, 1e-5, recipe).astype(jnp.float32) * cot)
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-        if not on_mesh:
-            return jax.tree.leaves(step(x, scale, wg, wu, wd))
-        specs = (P(("data", "fsdp")), P(), P("fsdp", "tensor"), P("fsdp", "tensor"),
-                 P("tensor", "fsdp"))
-        with jax.set_mesh(mesh):
-            return jax.tree.leaves(step(*(
-                jax.device_put(a, jax.sharding.NamedSharding(mesh, s))
-                for a, s in zip((x, scale, wg, wu, wd), specs))))
-
     fused = Fp8Recipe(fused_mlp="interpret")
     got = run(fused, True)
     # each device: its 32 tokens times the whole K of its tensor half of N (gate, then up)
     assert calls == [((32, 128), (128, 128))] * 2, calls
-    one_device = run(fused, False)
-    for a, b in zip(got, one_device, strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 2.0**-8 * np.linalg.norm(b), a.shape
+    assert_close(got, run(fused, False))
     for backward in ("interpret", "reference"):  # the kernel's gradient maxima, pmax'd, or XLA's
-        with_backward = run(Fp8Recipe(fused_mlp="interpret", fused_backward=backward), True)
-        for a, b in zip(got, with_backward, strict=True):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            assert np.linalg.norm(a - b) <= 2.0**-8 * np.linalg.norm(b), (backward, a.shape)
+        assert_close(got, run(Fp8Recipe(fused_mlp="interpret", fused_backward=backward), True))
     print("OK")
     """
 )
@@ -197,9 +163,7 @@ def test_the_fused_mlp_runs_on_each_shard():
     device's tokens and ``tensor`` half of the MLP; loss and gradients within 2^-8 (relative
     Frobenius: sums over tokens in another order) of one device's, with and without the fused
     backward (whose gradient maxima the fused MLP then reads, ``pmax``'d over the shards)."""
-    out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
+    run_on_8_devices(SHARDED_SCRIPT)
 
 
 @pytest.mark.parametrize(

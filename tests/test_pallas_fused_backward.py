@@ -3,15 +3,13 @@
 The kernel runs in Pallas interpret mode here (on a Hopper GPU compiled, marker ``gpu``)."""
 
 import secrets
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from blocks import coat_block_saved_bytes
+from blocks import MESH_MLP, coat_block_saved_bytes, run_on_8_devices
 
 from coat_jax.core.formats import get_format
 from coat_jax.core.quant import dequantize, quantize
@@ -208,65 +206,35 @@ def test_kernel_lowers_to_one_triton_call_for_cuda(op, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 1, text.count("__gpu$xla.gpu.triton")
 
 
-SHARDED_SCRIPT = textwrap.dedent(
+SHARDED_SCRIPT = MESH_MLP + textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np
-    from coat_jax.core.recipe import Fp8Recipe
-    from coat_jax.ops import flow, sharding
+    from coat_jax.core.quant import quantize
+    from coat_jax.ops.plain import norm_fp32
     from pallas_kernels import fused_backward as fb
-
-    P = jax.sharding.PartitionSpec
-    mesh = sharding.make_mesh(2, 2, 2)
-    k = jax.random.split(jax.random.key(0), 6)
-    x = jax.random.normal(k[0], (8, 16, 128)).astype(jnp.bfloat16)
-    scale = (1 + 0.1 * jax.random.normal(k[1], (128,))).astype(jnp.bfloat16)
-    wg, wu = (jax.random.normal(kk, (128, 256)) * 0.1 for kk in k[2:4])
-    wd = jax.random.normal(k[4], (256, 128)) * 0.06
-    cot = jax.random.normal(k[5], (8, 16, 128)).astype(jnp.bfloat16)
     calls = []
     kernel = fb.operand_and_grads
     fb.operand_and_grads = lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw)
 
-    def run(recipe, on_mesh):
-        loss = lambda *a: jnp.sum(flow.fp8_mlp(*a, 1e-5, recipe).astype(
-            jnp.float32) * cot)
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-        if not on_mesh:
-            return step(x, scale, wg, wu, wd)
-        specs = (P(("data", "fsdp")), P(), P(None, "tensor"), P(None, "tensor"), P("tensor"))
-        with jax.set_mesh(mesh):
-            return step(*(jax.device_put(a, jax.sharding.NamedSharding(mesh, s))
-                          for a, s in zip((x, scale, wg, wu, wd), specs)))
-
-    got = jax.tree.leaves(run(Fp8Recipe(fused_backward="interpret"), True))
+    got = run(Fp8Recipe(fused_backward="interpret"), True)
     # each device's rows, and the SwiGLU's MLP columns: the SwiGLU's, then the norm's backward
     assert calls == [(32, 128), (32, 128)], calls
-    xla_ops = jax.tree.leaves(run(Fp8Recipe(fused_backward="reference"), True))
-    one_device = jax.tree.leaves(run(Fp8Recipe(fused_backward="interpret"), False))
+    xla_ops = run(Fp8Recipe(fused_backward="reference"), True)
     np.testing.assert_array_equal(got[0], xla_ops[0])  # the loss: the same forward
-    for a, b, c in zip(got, xla_ops, one_device, strict=True):
-        a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
-        for want in (b, c):
-            assert np.linalg.norm(a - want) <= 2.0**-8 * np.linalg.norm(want), a.shape
+    assert_close(got, xla_ops)
+    assert_close(got, run(Fp8Recipe(fused_backward="interpret"), False))
 
-    # The fused MLP (one device only) reads the gradients' maxima: on a mesh they are the
-    # pmax of the shards', and the norm weight's gradient the psum over the row shards.
-    from coat_jax.core.quant import quantize
-    from coat_jax.ops.plain import norm_fp32
-    xs = jax.random.normal(k[0], (8, 16, 256)).astype(jnp.bfloat16)
-    saved = (quantize(xs, "e4m3", group_size=16),)
+    # The fused MLP reads the gradients' maxima: on a mesh they are the pmax of the shards',
+    # and the norm weight's gradient the psum over the row shards
+    saved = (quantize(jax.random.normal(k[0], (8, 16, 256)).astype(jnp.bfloat16), "e4m3",
+                      group_size=16),)
     fn = lambda a, s: norm_fp32(a, s, 1e-5, "rms").astype(jnp.bfloat16)
-    recipe = Fp8Recipe(fused_backward="interpret")
     dy = cot.repeat(2, -1).at[7, 15, 3].set(40.0)  # the largest gradient on the last shard
-    args = (saved, dy, fn, (scale.repeat(2),), jnp.float32(4.0), recipe, "interpret")
+    recipe, weight, amax = Fp8Recipe(fused_backward="interpret"), scale.repeat(2), 4.0
+    kernel_on = lambda saved, dy, weight: flow._operand_and_grads(
+        saved, dy, fn, (weight,), amax, recipe, "interpret", whole_rows=True)
     with jax.set_mesh(mesh):
-        sharded = jax.jit(lambda *a: flow._operand_and_grads(*a[:2], fn, *a[2:4], recipe,
-                                                             "interpret", whole_rows=True))(
-            saved, args[1], args[3], args[4])
-    single = flow._operand_and_grads(*args, whole_rows=True)
-    (_, (dx,), (m,), (ds,)), (_, (dx1,), (m1,), (ds1,)) = sharded, single
+        _, _, (m,), (ds,) = jax.jit(kernel_on)(saved, dy, weight)
+    _, (dx1,), (m1,), (ds1,) = kernel_on(saved, dy, weight)
     assert float(m) == float(m1) == float(jnp.max(jnp.abs(dx1.astype(jnp.float32))))
     ds, ds1 = np.asarray(ds, np.float64), np.asarray(ds1, np.float64)
     assert np.all(np.abs(ds - ds1) <= 2.0**-7 * np.abs(ds1) + 1e-3 * np.abs(ds1).max())
@@ -283,9 +251,7 @@ def test_the_kernel_runs_on_each_shard_with_the_tensors_maxima():
     2^-8 (relative Frobenius) of theirs and of the kernel's on one device (sums over the
     tokens in another order, the norm's means over tiles: ``assert_same``); a lost ``pmax``
     or ``psum`` moves them by FP8 noise or a factor."""
-    out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
+    run_on_8_devices(SHARDED_SCRIPT)
 
 
 @pytest.mark.gpu
