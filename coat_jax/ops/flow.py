@@ -466,9 +466,10 @@ def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts, dout_am
     if mode is not None:  # dy first, then one kernel reads the saved groups once
         dy, dyqs = _input_grads(w_saved, douts, recipe, dout_amaxes)
         extras = () if norm_scale is None else (norm_scale,)
-        yq, (dx,), _, dscale = _operand_and_grads((xg,), dy, norm, extras, y_amax, recipe, mode,
-                                                  whole_rows=True)  # fmt: skip
-        return dx, (dscale or (None,))[0], _weight_grads(yq, dyqs, w_dtypes, recipe)
+        yq, (dx,), _, dscales = _operand_and_grads((xg,), dy, norm, extras, y_amax, recipe,
+                                                   mode, whole_rows=True)  # fmt: skip
+        dscale = dscales[0] if dscales else None
+        return dx, dscale, _weight_grads(yq, dyqs, w_dtypes, recipe)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = _backward_x(y, y_amax, recipe)
     dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe, dout_amaxes)
