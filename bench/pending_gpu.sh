@@ -247,14 +247,14 @@ case "${PART:-1}" in
     && rm -f profile_7b_2layers_b8_*.json)
   ;;
 46)
-  # issue 24: SwiGLU's backward as one Pallas pass over its FP8-saved inputs
-  # (Fp8Recipe.fused_backward): the compiled tests, then one 7B block (batch 4) per row, two
+  # issue 24: SwiGLU's and the norms' backwards as one Pallas pass each over their FP8-saved
+  # inputs (Fp8Recipe.fused_backward): the compiled tests, then one 7B block (batch 4) per row, two
   # interleaved rounds: COAT with and without it, alone and with the fused MLP, FP8-linear;
   # the first round also COAT with the fused MLP only and with every COAT kernel
   if [ -z "${NO_TESTS:-}" ]; then
     echo "== fused backward and fused MLP compiled tests"
-    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_fused_backward.py \
-      tests/test_fused_mlp.py 2>&1 | tail -3
+    timeout 150 $PY -m pytest -q -rf -p no:cacheprovider -m gpu \
+      tests/test_pallas_fused_backward.py tests/test_fused_mlp.py 2>&1 | tail -6 | cut -c1-400
   fi
   for round in 1 2; do
     rows="coat coat+fused_backward coat+fused_mlp+fused_backward fp8_linear"
