@@ -73,8 +73,9 @@ def assert_same(got, want, exact=True):
     """Operand codes and scale, gradients and their maxima: bit for bit (``exact``; an
     element-wise op), or (a norm: its mean over a row reduced in another order over a tile
     than over the whole array, so a BF16 rounding may move) each gradient within one BF16
-    rounding, and at most 1e-3 of the codes one E4M3 step (2^-3) apart. A weight's gradient
-    (fp32 sums over the rows, by tiles in the kernel): within 1e-5 of the reference's."""
+    rounding or 2^-16 of its largest, and at most 1e-3 of the codes one E4M3 step (2^-3)
+    apart. A weight's gradient (fp32 sums over the rows, by tiles in the kernel): within 1e-5
+    of the reference's."""
     (gq, g_grads, g_max, g_extra), (wq, w_grads, w_max, w_extra) = got, want
     np.testing.assert_array_equal(gq.amax, wq.amax)
     if exact:
@@ -88,7 +89,10 @@ def assert_same(got, want, exact=True):
         if exact:
             np.testing.assert_array_equal(f32(a), f32(b))
         else:
-            assert close_bf16(a, b, 0), np.nanmax(np.abs(f32(a) - f32(b)))
+            # where the norm's two terms cancel, fp32 rounding of the terms (2^-16 of the
+            # largest gradient) outweighs a BF16 rounding of the result
+            finite = np.abs(f32(b))[np.isfinite(f32(b))]
+            assert close_bf16(a, b, 2.0**-16 * finite.max()), np.nanmax(np.abs(f32(a) - f32(b)))
     for a, b in zip(g_extra, w_extra, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         finite = np.abs(f32(b))[np.isfinite(f32(b))]
