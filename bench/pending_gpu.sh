@@ -169,6 +169,7 @@
 #   PART=46 bash bench/pending_gpu.sh  issue 24: SwiGLU's fused backward (Fp8Recipe.fused_backward)
 #                                      compiled tests, then one 7B block per row with and without
 #                                      it and the fused MLP, FP8-linear beside, interleaved
+#                                      (ran 2026-12-06 on an H200 with ROUNDS=1)
 #   PART=47 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4, COAT
 #                                      with and without the fused MLP / backward, FP8-linear
 #   PART=48 bash bench/pending_gpu.sh  issue 24: a 2-layer Llama-2-7B step at batch 8 by op:

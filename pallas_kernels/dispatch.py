@@ -60,8 +60,9 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # not yet timed in a block against the unfused ops.
     "fused_mlp": False,
     # SwiGLU's and the norms' backwards as one pass each over their FP8-saved inputs
-    # (pallas_kernels/fused_backward.py, coat_jax.ops.flow): not yet timed in a block against
-    # the XLA ops.
+    # (pallas_kernels/fused_backward.py, coat_jax.ops.flow): a 7B block 0.2-0.4 ms faster on
+    # an H200 and an H100 (bench/results/layer_fused_backward_*_2026-12-06.jsonl); not yet
+    # timed through train.py, where a faster block has made a slower step before.
     "fused_backward": False,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
