@@ -55,7 +55,8 @@ VARIANTS = {
 ``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``); XLA's FP8 GEMMs writing a
 BF16 product (``--product``: ``Fp8Recipe.gemm_product``); COAT's MLP with SwiGLU's saved groups
 written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's GEMMs elsewhere
-and with ``gemm='auto'``); SwiGLU's backward as one pass over its FP8-saved inputs (``--backward``:
+and with ``gemm='auto'``); SwiGLU's and the norms' backwards as one pass each over their FP8-saved
+inputs (``--backward``:
 ``Fp8Recipe.fused_backward``, alone, with the fused MLP, and with it and the fused quantize
 kernels)."""
 
