@@ -175,6 +175,11 @@
 #   PART=48 bash bench/pending_gpu.sh  issue 24: a 2-layer Llama-2-7B step at batch 8 by op:
 #                                      FP8-linear, COAT as is, COAT with the fused MLP and
 #                                      backward (bench/profile_step.py JSON, one archive)
+#   PART=49 bash bench/pending_gpu.sh  issue 24: Llama-114M through train.py, two rounds of BF16,
+#                                      FP8-linear, COAT, COAT with every fused kernel
+#   PART=50 bash bench/pending_gpu.sh  issue 24 (H200 only): 7B through train.py at batch 4,
+#                                      FP8-linear, COAT unfused and fused; 114M 2000 steps,
+#                                      COAT unfused and fused, same seed (the loss check)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -230,6 +235,57 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+50)
+  # issue 24 on one H200 (FP8-linear + adamw does not fit Llama-2-7B in an H100's 80 GB): 7B
+  # through train.py at batch 4, 12 steps, one run after another: FP8-linear + adamw, COAT +
+  # fp8_adamw unfused (the MLP and backward kernels off by name), COAT with them on; then
+  # Llama-114M, 2000 steps, seed 0, unfused and fused (the same seed and batches: the loss
+  # check), metrics.jsonl of each kept
+  FUSED="--config.fp8.fused_mlp=pallas --config.fp8.fused_backward=pallas"
+  UNFUSED="--config.fp8.fused_mlp=reference --config.fp8.fused_backward=reference"
+  if [ -z "${NO_7B:-}" ]; then  # NO_7B=1: the 114M runs only (they fit any GPU); NO_114M=1
+    train_7b_policy . fp8_linear adamw 4 "train_llama2_7b_b4_fp8_linear_h200_$DAY"
+    # shellcheck disable=SC2086
+    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_unfused_h200_$DAY" $UNFUSED
+    # shellcheck disable=SC2086
+    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_fused_h200_$DAY" $FUSED
+  fi
+  [ -n "${NO_114M:-}" ] && exit 0
+  for run in "unfused|$UNFUSED" "fused|$FUSED"; do
+    IFS='|' read -r tag flags <<< "$run"
+    rm -rf /tmp/p50
+    echo "== Llama-114M, COAT $tag, 2000 steps, seed 0"
+    # shellcheck disable=SC2086
+    timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=2000 \
+      --config.seed=0 --config.eval_interval=500 \
+      --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p50 \
+      $flags 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-140 | tail -2
+    cp /tmp/p50/metrics.jsonl "$OUT/train_114m_2000_coat_${tag}_h200_$DAY.jsonl" 2>/dev/null
+  done
+  ;;
+49)
+  # issue 24 at 114M: train.py's tokens/s, 300 steps, one run after another in two rounds:
+  # BF16 + adamw, FP8-linear + adamw, COAT + fp8_adamw as is and with every fused kernel
+  # (quantize, MLP, backward); metrics.jsonl of each run kept
+  ALL_FUSED="--config.fp8.fused_quantize=pallas --config.fp8.fused_mlp=pallas"
+  ALL_FUSED="$ALL_FUSED --config.fp8.fused_backward=pallas"
+  echo "== Llama-114M through train.py, 300 steps, one run after another"
+  for round in 1 2; do
+    for run in "bf16|bf16|" "fp8_linear|fp8_linear|" "coat|coat|" "coat_fused|coat|$ALL_FUSED"; do
+      IFS='|' read -r tag precision flags <<< "$run"
+      rm -rf /tmp/p49
+      echo "-- round $round: $tag"
+      # shellcheck disable=SC2086
+      timeout 110 $PY train.py --config configs/llama_114m.py --config.steps=300 \
+        --config.precision=$precision --config.optimizer.name="$(policy_optimizer "$precision")" \
+        --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+        --config.progress=False --config.workdir=/tmp/p49 $flags 2>&1 \
+        | grep -E "tokens_per_s|Error|error" | cut -c1-120 | tail -3
+      cp /tmp/p49/metrics.jsonl "$OUT/throughput_114m_${tag}_round${round}_h200_$DAY.jsonl" \
+        2>/dev/null
+    done
+  done
+  ;;
 48)
   # issue 24 item 4: where a COAT step's time goes at batch 8, before and after the fused MLP
   # and backward, FP8-linear beside (2 layers of Llama-2-7B: the whole model's step at batch 8
