@@ -30,6 +30,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from coat_jax.core import measure
+from coat_jax.ops import flow
 from coat_jax.training import allocator, configs, data, finetune, metrics, parallel, planner
 from coat_jax.training.checkpoint import Checkpointer, NonFiniteStateError, StateLayoutError
 from coat_jax.training.generate import eval_sampler
@@ -125,6 +126,9 @@ def main(argv, allocator_set: dict) -> None:
     if config.grad_dtype == "auto":
         log(f"Gradients: {run.grad_dtype} (config.grad_dtype=auto)")
     with jax.set_mesh(run.placement.mesh):
+        if config.precision == "coat":
+            kernels = ", ".join(flow.fused_kernels(configs.fp8_recipe(config))) or "none"
+            log(f"Fused FP8 flow kernels: {kernels} (config.fp8.fused_*; auto: where measured)")
         if _DRY_RUN.value:
             return dry_run(run)
         ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)

@@ -43,6 +43,9 @@ RECIPES = {  # name -> (precision, FP8 recipe)
     "coat_bf16fwd": ("coat", Fp8Recipe(forward_gemm="bf16")),
     "coat_bf16fwd_row_e4": ("coat", Fp8Recipe(forward_gemm="bf16", scaling="row", **E4)),
     "coat_bf16fwd_block_e4": ("coat", Fp8Recipe(forward_gemm="bf16", scaling="block", **E4)),
+    # COAT with the fused MLP and the fused backward kernels (Pallas interpret mode: the kernels'
+    # own arithmetic, ~30x slower than the XLA ops on a CPU): what `auto` runs on one Hopper GPU
+    "coat_fused": ("coat", Fp8Recipe(fused_mlp="interpret", fused_backward="interpret")),
 }
 DEFAULT = "fp32,bf16,coat,coat_block_e4,coat_bf16fwd,coat_bf16fwd_row_e4,coat_bf16fwd_block_e4"
 

@@ -314,7 +314,7 @@ case "${PART:-1}" in
       tests/test_pallas_fused_backward.py tests/test_fused_mlp.py 2>&1 | tail -6 | cut -c1-400
   fi
   for round in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS=1: the first only
-    rows="coat coat+fused_backward coat+fused_mlp+fused_backward fp8_linear"
+    rows="coat+unfused coat+fused_backward coat+fused_mlp+fused_backward fp8_linear"
     [ $round = 1 ] && rows="$rows coat+fused_mlp coat+all_fused+fused_backward"
     for policy in $rows; do
       timeout 80 $PY bench/layer.py --policy "$policy" 2>&1 | tail -1 \

@@ -12,7 +12,8 @@ local device is a Hopper part; everywhere else the jnp references in :mod:`coat_
 * ``"interpret"``: the kernel in Pallas interpret mode (slow; for tests and debugging).
 * ``"reference"``: the XLA-compiled jnp reference.
 * ``"auto"``: the compiled kernel on Hopper *if a GPU measurement says it beats the reference*
-  (:data:`AUTO_USES_KERNEL`), else the reference.
+  (:data:`AUTO_USES_KERNEL`; some families on one device only, :data:`AUTO_ONE_DEVICE`), else
+  the reference.
 
 Shapes a kernel cannot tile (a ragged last axis, a group size that is not a power of two) fall
 back to the reference inside each family's wrapper, without error, whatever the mode.
@@ -25,6 +26,7 @@ import jax
 from coat_jax.core.recipe import GEMM_BACKENDS, KERNEL_OPTIONS
 
 __all__ = [
+    "AUTO_ONE_DEVICE",
     "AUTO_USES_KERNEL",
     "GEMM_AUTO_USES_KERNEL",
     "GEMM_PALLAS_FASTER",
@@ -56,17 +58,25 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # against 13.70 unfused, bench/results/layer_fused_h200_2026-12-01.json).
     "fused_quantize": False,
     # COAT's MLP with the gate / up GEMMs writing SwiGLU's saved 1x16 groups from their
-    # epilogue (coat_jax.ops.flow.fp8_mlp, pallas_kernels.fp8_matmul.fp8_matmul_quantize_1x16):
-    # not yet timed in a block against the unfused ops.
-    "fused_mlp": False,
-    # SwiGLU's and the norms' backwards as one pass each over their FP8-saved inputs
-    # (pallas_kernels/fused_backward.py, coat_jax.ops.flow): a 7B block 0.2-0.4 ms faster on
-    # an H200 and an H100 (bench/results/layer_fused_backward_*_2026-12-06.jsonl); not yet
-    # timed through train.py, where a faster block has made a slower step before.
-    "fused_backward": False,
+    # epilogue (coat_jax.ops.flow.fp8_mlp, pallas_kernels.fp8_matmul.fp8_matmul_quantize_1x16),
+    # and SwiGLU's and the norms' backwards as one pass each over their FP8-saved inputs
+    # (pallas_kernels/fused_backward.py): Llama-2-7B through train.py at batch 4 on an H100,
+    # jax 0.11.2, 2026-12-06: 14,760 tokens/s unfused, 15,250 with the MLP, 15,470 with both
+    # (bench/results/train_llama2_7b_b4_coat_*_h100_2026-12-06.txt); a 2-layer 7B step at batch
+    # 8 100.0 -> 97.5 device ms (pending_gpu_part48_h100_2026-12-06.log); compiled tests pass
+    # there. Loss: Llama-114M, 2000 steps, same seed, final train loss +0.18% / eval +0.01%
+    # against unfused (train_114m_2000_coat_*_h100_2026-12-06.jsonl). One device only
+    # (AUTO_ONE_DEVICE).
+    "fused_mlp": True,
+    "fused_backward": True,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
 Flip an entry only with a GPU measurement showing the kernel faster, and cite it above."""
+
+AUTO_ONE_DEVICE: frozenset[str] = frozenset({"fused_mlp", "fused_backward"})
+"""Families whose ``kernels="auto"`` picks the kernel only outside a multi-device mesh: their
+per-shard path (``shard_map``) is tested on virtual CPU devices against one device, but has
+not run on several GPUs; ``"pallas"`` runs it there by name."""
 
 _HOPPER_KINDS = ("h100", "h200", "h800", "gh200")
 
@@ -105,7 +115,9 @@ def resolve(kernels: str, family: str) -> str:
     if kernels == "pallas" and not hopper_gpu():
         raise ValueError("kernels='pallas' needs a Hopper GPU; use 'auto' or 'interpret'")
     if kernels == "auto":
-        return "pallas" if AUTO_USES_KERNEL[family] and hopper_gpu() else "reference"
+        sharded = family in AUTO_ONE_DEVICE and multi_device_mesh() is not None
+        use_kernel = AUTO_USES_KERNEL[family] and hopper_gpu() and not sharded
+        return "pallas" if use_kernel else "reference"
     return kernels
 
 

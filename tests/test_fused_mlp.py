@@ -128,7 +128,6 @@ def test_the_fused_mlp_runs_only_where_its_kernel_applies():
     for other in (dict(scaling="row"), dict(forward_gemm="bf16"), dict(saved_group=32),
                   dict(saved_format="e5m2")):  # fmt: skip
         assert flow._fused_mlp_mode(Fp8Recipe(fused_mlp="interpret", **other)) is None
-    assert not dispatch.AUTO_USES_KERNEL["fused_mlp"] or dispatch.hopper_gpu()
     if not dispatch.hopper_gpu():
         assert flow._fused_mlp_mode(Fp8Recipe()) is None  # "auto" off a Hopper GPU
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
@@ -187,3 +186,16 @@ def test_gpu_fused_mlp_kernel_matches_the_unfused_ops():
     """The compiled kernel (tiles of 8192 x 4096 x 11008's kind: several M and N tiles, a
     ragged last N tile) against the unfused ops, to the same bound."""
     check_fused_against_unfused(Fp8Recipe(fused_mlp="pallas"), "rms", (2, 512), 512, 1376)
+
+
+def test_fused_kernels_names_the_options_that_run_a_kernel(monkeypatch):
+    """What train.py reports: the fused-flow options whose kernels run here; ``auto`` runs the
+    MLP and backward kernels on one Hopper GPU and not under a multi-device mesh."""
+    both = Fp8Recipe(fused_mlp="interpret", fused_backward="interpret")
+    assert flow.fused_kernels(both) == ("fused_mlp", "fused_backward")
+    assert flow.fused_kernels(Fp8Recipe(fused_quantize="interpret", scaling="row")) == ()
+    monkeypatch.setattr(dispatch, "hopper_gpu", lambda: True)
+    assert flow.fused_kernels(Fp8Recipe()) == ("fused_mlp", "fused_backward")
+    monkeypatch.setattr(dispatch, "multi_device_mesh", lambda: object())
+    assert flow.fused_kernels(Fp8Recipe()) == ()
+    assert flow.fused_kernels(Fp8Recipe(fused_mlp="pallas")) == ("fused_mlp",)

@@ -98,21 +98,59 @@ MEASURED = {
 }
 
 
+# Per family measured through train.py: (the kernel's log, the reference's log, the log of the
+# call that ran both, naming its GPU), tokens/s of the last logged step compared.
+MEASURED_THROUGH_TRAIN = {
+    family: (
+        "train_llama2_7b_b4_coat_fused_mlp_backward_h100_2026-12-06.txt",
+        "train_llama2_7b_b4_coat_default_h100_2026-12-06.txt",
+        "pending_gpu_part47_h100_2026-12-06.log",
+    )
+    for family in ("fused_mlp", "fused_backward")
+}
+
+
+def _last_tokens_per_s(text: str) -> float:
+    lines = [line.split() for line in text.splitlines() if " tokens_per_s " in line]
+    fields = lines[-1]
+    return float(fields[fields.index("tokens_per_s") + 1])
+
+
 def test_auto_picks_a_kernel_only_where_a_gpu_measurement_shows_it_faster():
-    """Each family that ``auto`` sends to its kernel has a committed H200 result in which the
-    kernel beats its reference; the others have none cited (see the comments in dispatch.py)."""
+    """Each family that ``auto`` sends to its kernel has a committed Hopper result in which the
+    kernel beats its reference (an optimizer bench on an H200, or train.py's tokens/s); the
+    others have none cited (see the comments in dispatch.py)."""
     import json
     import pathlib
 
     results = pathlib.Path(__file__).parent.parent / "bench" / "results"
     for family, uses_kernel in dispatch.AUTO_USES_KERNEL.items():
-        assert uses_kernel == (family in MEASURED), family
-        if uses_kernel:
+        assert uses_kernel == (family in MEASURED or family in MEASURED_THROUGH_TRAIN), family
+        if family in MEASURED:
             name, kernel, reference = MEASURED[family]
             result = json.loads((results / name).read_text())
             rows = {r["optimizer"]: r for r in result["rows"]}
             assert "H200" in result["device"]
             assert rows[kernel]["median_ms"] < rows[reference]["median_ms"], family
+        elif family in MEASURED_THROUGH_TRAIN:
+            kernel, reference, call = MEASURED_THROUGH_TRAIN[family]
+            gpu = (results / call).read_text().splitlines()[0]
+            assert "H100" in gpu or "H200" in gpu, gpu
+            faster = _last_tokens_per_s((results / kernel).read_text())
+            assert faster > _last_tokens_per_s((results / reference).read_text()), family
+
+
+@pytest.mark.parametrize("family", sorted(dispatch.AUTO_ONE_DEVICE))
+def test_auto_keeps_one_device_families_off_under_a_mesh(devices, monkeypatch, family):
+    """``auto`` runs these kernels on one Hopper GPU and falls back to the XLA ops under a
+    multi-device mesh (their sharded path has not run on several GPUs); ``pallas`` still runs
+    them there."""
+    devices("gpu", [H200])
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, family, True)
+    assert dispatch.resolve("auto", family) == "pallas"
+    monkeypatch.setattr(dispatch, "multi_device_mesh", lambda: object())
+    assert dispatch.resolve("auto", family) == "reference"
+    assert dispatch.resolve("pallas", family) == "pallas"
 
 
 def test_optimizer_routes_through_the_rule(devices, monkeypatch):

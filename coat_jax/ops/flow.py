@@ -52,7 +52,14 @@ from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul, fused_backward, fused_quantize
 
-__all__ = ["fp8_gemm", "fp8_mlp", "fp8_norm_project", "fp8_project", "fp8_swiglu_project"]
+__all__ = [
+    "fp8_gemm",
+    "fp8_mlp",
+    "fp8_norm_project",
+    "fp8_project",
+    "fp8_swiglu_project",
+    "fused_kernels",
+]
 
 COAT = Fp8Recipe()
 """The default recipe: COAT's formats, 1x16 groups, XLA's cuBLASLt GEMMs."""
@@ -249,6 +256,19 @@ def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
     if recipe.saved_weights == "fp8":
         return w_saved
     return tuple(quantize(w, recipe.forward, amax=amax) for w, amax in _in_backward(w_saved, dout))
+
+
+def fused_kernels(recipe: Fp8Recipe) -> tuple[str, ...]:
+    """The ``Fp8Recipe`` options of the fused precision flow (``fused_quantize``, ``fused_mlp``,
+    ``fused_backward``) whose kernels the COAT ops run under ``recipe`` here: on this backend,
+    in the mesh in context (``pallas_kernels.dispatch``: ``auto`` where measured faster).
+
+    Raises:
+      ValueError: an option is ``"pallas"`` off a Hopper GPU.
+    """
+    modes = {"fused_quantize": _fused_mode(recipe), "fused_mlp": _fused_mlp_mode(recipe),
+             "fused_backward": _fused_backward_mode(recipe)}  # fmt: skip
+    return tuple(name for name, mode in modes.items() if mode is not None)
 
 
 def _fused_mode(recipe: Fp8Recipe) -> str | None:
