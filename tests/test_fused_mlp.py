@@ -70,9 +70,26 @@ def fp32_mlp(x, scale, wg, wu, wd, kind="rms"):
     else:
         c = x - x.mean(-1, keepdims=True)
         y = c * jax.lax.rsqrt(jnp.mean(c * c, -1, keepdims=True) + 1e-5)
+    return fp32_swiglu(y, wg, wu, wd)
+
+
+def fp32_swiglu(y, wg, wu, wd):
     hp = jax.lax.Precision.HIGHEST
     g, u = jnp.dot(y, wg, precision=hp), jnp.dot(y, wu, precision=hp)
     return jnp.dot(jax.nn.silu(g) * u, wd, precision=hp)
+
+
+def norm_weight_noise_scale(x, scale, wg, wu, wd, cot):
+    """Per feature j, sqrt(sum_t (xhat_tj gy_tj)^2) in fp32 math: the norm weight's gradient is
+    the token sum sum_t xhat_tj gy_tj, so FP8 errors in gy (independent per token) reach it in
+    quadrature, whatever that sum's own cancellation. Its relative error against |sum| is a
+    ratio of two 64-element norms with few degrees of freedom: 0.17 in 11 of 30,000 seeds."""
+    x = x.astype(jnp.float32)
+    xhat = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
+    _, vjp = jax.vjp(lambda y: fp32_swiglu(y, wg, wu, wd), xhat * scale)
+    (gy,) = vjp(cot.astype(jnp.float32))  # d loss / d (normed input)
+    terms = (xhat * gy).reshape(-1, x.shape[-1])  # xhat_tj gy_tj: d scale_j = sum_t
+    return np.sqrt(np.sum(np.asarray(terms, np.float64) ** 2, 0))
 
 
 def check_fused_against_unfused(fused: Fp8Recipe, kind: str, lead=(2, 24), h=64, f=176):
@@ -84,9 +101,18 @@ def check_fused_against_unfused(fused: Fp8Recipe, kind: str, lead=(2, 24), h=64,
     refs = [ref, *jax.tree.leaves(vjp(cot.astype(jnp.float32)))]
     factor, slack = AS_CLOSE_TO_FP32
     tols = [FWD_TOL] + [BWD_TOL] * (len(refs) - 1)
-    for g, w, r, tol in zip(got, want, refs, tols, strict=True):
+    norm_weight = 2 if kind == "rms" else None  # [out, dx, d scale, ...]
+    for i, (g, w, r, tol) in enumerate(zip(got, want, refs, tols, strict=True)):
         assert g.dtype == w.dtype and g.shape == w.shape == r.shape
         assert rel_err(g, w) < FUSED_VS_UNFUSED, rel_err(g, w)
+        if i == norm_weight:
+            # 64 token sums: error against the noise scale of their terms; fused vs unfused
+            # is bounded by the check above (|rel(g, r) - rel(w, r)| <= rel(g, w)), a 10%
+            # comparison of two 64-element noise norms is not (1.33x in 2 of 30,000 seeds)
+            noise = np.linalg.norm(norm_weight_noise_scale(*args, cot))
+            err = np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64))
+            assert err / noise < tol, err / noise
+            continue
         assert rel_err(g, r) < tol, rel_err(g, r)
         assert rel_err(g, r) <= factor * rel_err(w, r) + slack, (rel_err(g, r), rel_err(w, r))
 
