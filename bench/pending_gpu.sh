@@ -180,6 +180,9 @@
 #   PART=50 bash bench/pending_gpu.sh  issue 24 (H200 only): 7B through train.py at batch 4,
 #                                      FP8-linear, COAT unfused and fused; 114M 2000 steps,
 #                                      COAT unfused and fused, same seed (the loss check)
+#   PART=51 bash bench/pending_gpu.sh  issue 24 (H200): 7B through train.py, RUNS= policies and
+#                                      batches one after another (default FP8-linear b5, COAT b5,
+#                                      COAT b16)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -235,6 +238,19 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+51)
+  # issue 24's 7B table on one H200, one run after another in one warm machine: RUNS is a
+  # ';'-separated list of "precision|batch|tag|train.py flags" (default: FP8-linear and COAT as
+  # train.py picks it, fused kernels under auto, at batch 5, then COAT at its largest, 16)
+  IFS=';' read -r -a runs <<< "${RUNS:-fp8_linear|5|fp8_linear_b5|;coat|5|coat_b5|;coat|16|coat_b16|}"
+  for run in "${runs[@]}"; do
+    IFS='|' read -r precision batch tag flags <<< "$run"
+    # shellcheck disable=SC2086
+    train_7b_policy . "$precision" "$(policy_optimizer "$precision")" "$batch" \
+      "train_llama2_7b_${tag}_h200_$DAY" $flags
+    echo "-- ${SECONDS}s since the call began"
+  done
+  ;;
 50)
   # issue 24 on one H200 (FP8-linear + adamw does not fit Llama-2-7B in an H100's 80 GB): 7B
   # through train.py at batch 4, 12 steps, one run after another: FP8-linear + adamw, COAT +
@@ -714,8 +730,10 @@ case "${PART:-1}" in
   # issue 20: every compiled test of the FP8 GEMM (the per-tensor and 1x16 cluster candidate,
   # the kernel's tile loop refactored), then the block-scaled default beside the per-tensor
   # kernel and cuBLASLt, 30 medians
-  echo "== FP8 GEMM: compiled tests"
-  timeout 270 $PY -m pytest -q -m gpu tests/test_pallas_fp8_matmul.py 2>&1 | tail -4
+  if [ -z "${NO_TESTS:-}" ]; then  # NO_TESTS=1: the timing only
+    echo "== FP8 GEMM: compiled tests"
+    timeout 270 $PY -m pytest -q -m gpu tests/test_pallas_fp8_matmul.py 2>&1 | tail -4
+  fi
   echo "== block-scaled default vs per-tensor vs cuBLASLt"
   timeout 200 $PY bench/gemm.py --check --iters 30 --shapes 8192x4096x11008,8192x4096x4096 \
     --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
