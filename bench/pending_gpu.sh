@@ -183,6 +183,8 @@
 #   PART=51 bash bench/pending_gpu.sh  issue 24 (H200): 7B through train.py, RUNS= policies and
 #                                      batches one after another (default FP8-linear b5, COAT b5,
 #                                      COAT b16)
+#   PART=52 bash bench/pending_gpu.sh  issue 24: one 7B block, FP8-linear, COAT, COAT with every
+#                                      FP8 GEMM on Pallas (two interleaved rounds)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -238,6 +240,22 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+52)
+  # issue 24's layer target: one 7B block (batch 4) per row, interleaved rounds: FP8-linear,
+  # COAT as auto runs it (fused MLP and backward), the same with every FP8 GEMM on the Pallas
+  # kernel (XLA's then only quantize and move operands: are the fused kernels' outputs cheap
+  # to feed it now?); the first round also COAT with XLA's GEMMs writing a BF16 product
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    rows="fp8_linear coat coat+pallas_gemm"
+    [ "$round" = 1 ] && rows="$rows coat+bf16_product"
+    for policy in $rows; do
+      timeout 90 $PY bench/layer.py --policy "$policy" 2>&1 | tail -1 \
+        | sed "s/^{/{\"round\": $round, /" \
+        | tee -a "$OUT/layer_pallas_gemm_fused_h200_$DAY.jsonl" | cut -c1-110
+      echo "-- ${SECONDS}s"
+    done
+  done
+  ;;
 51)
   # issue 24's 7B table on one H200, one run after another in one warm machine: RUNS is a
   # ';'-separated list of "precision|batch|tag|train.py flags" (default: FP8-linear and COAT as
