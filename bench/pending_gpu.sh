@@ -185,6 +185,8 @@
 #                                      COAT b16)
 #   PART=52 bash bench/pending_gpu.sh  issue 24: one 7B block, FP8-linear, COAT, COAT with every
 #                                      FP8 GEMM on Pallas (two interleaved rounds)
+#   PART=53 bash bench/pending_gpu.sh  the LM head's backward on BF16 operands: Llama-114M through
+#                                      train.py before (baseline/, carried) and after, BF16, COAT
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -240,6 +242,30 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+53)
+  # the LM head's backward GEMMs on BF16 operands (coat_jax.ops.plain.head_logits): Llama-114M
+  # through train.py, 300 steps, before (baseline/train.py beside baseline/'s packages, carried:
+  # mkdir baseline && git archive <before> coat_jax pallas_kernels train.py | tar -x -C baseline)
+  # and after, BF16 + adamw and COAT + fp8_adamw, two rounds in opposite orders
+  [ -f baseline/train.py ] || { echo "PART=53 needs baseline/"; exit 1; }
+  runs="bf16:baseline bf16:. coat:baseline coat:."
+  for round in 1 2; do
+    [ "$round" = 2 ] && runs="coat:. coat:baseline bf16:. bf16:baseline"
+    for run in $runs; do
+      IFS=: read -r precision tree <<< "$run"
+      tag=$([ "$tree" = . ] && echo after || echo before)
+      rm -rf /tmp/p53
+      echo "-- round $round: $precision $tag (${SECONDS}s)"
+      timeout 110 $PY "$tree/train.py" --config configs/llama_114m.py --config.steps=300 \
+        --config.precision="$precision" --config.optimizer.name="$(policy_optimizer "$precision")" \
+        --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+        --config.progress=False --config.workdir=/tmp/p53 2>&1 \
+        | grep -E "tokens_per_s|Error|error" | cut -c1-150 | tail -2
+      cp /tmp/p53/metrics.jsonl "$OUT/throughput_114m_head_${precision}_${tag}_round${round}_h200_$DAY.jsonl" \
+        2>/dev/null
+    done
+  done
+  ;;
 52)
   # issue 24's layer target: one 7B block (batch 4) per row, interleaved rounds: FP8-linear,
   # COAT as auto runs it (fused MLP and backward), the same with every FP8 GEMM on the Pallas

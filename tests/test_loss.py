@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from coat_jax.models.llama import Llama, LlamaConfig, loss_fn
+from coat_jax.ops import plain
 from coat_jax.ops.loss import chunked_cross_entropy
 
 
@@ -93,6 +94,64 @@ def test_chunks_keep_the_whole_logits_out_of_the_compiled_step():
 
     logits = batch * seq * vocab * 4
     assert temp_bytes(0) - temp_bytes(16) > 1.5 * logits
+
+
+def test_head_logits_rounds_the_loss_gradient_to_the_operands_dtype():
+    """BF16 operands: fp32 logits within fp32 summation error of the fp64 product; backward
+    ``dx = rd(dz) W^T`` and ``dW = x^T rd(dz)`` (``rd``: BF16 rounding of the fp32 ``dz``)
+    within one BF16 rounding of the fp64 math plus fp32 summation error, both in BF16."""
+    kx, kw, kz = jax.random.split(fresh_key(), 3)
+    x = jax.random.normal(kx, (3, 50, 64), jnp.bfloat16)
+    head = (jax.random.normal(kw, (64, 300)) * 0.1).astype(jnp.bfloat16)
+    dz = jax.random.normal(kz, (3, 50, 300), jnp.float32) * 1e-3
+    z, vjp = jax.vjp(plain.head_logits, x, head)
+    dx, dhead = vjp(dz)
+    assert z.dtype == jnp.float32 and dx.dtype == dhead.dtype == jnp.bfloat16
+    f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    x64, w64, dz64 = f64(x), f64(head), f64(dz.astype(jnp.bfloat16))
+    sums = 64 * 2.0**-24  # fp32 accumulation of 64 exact BF16 products
+    np.testing.assert_array_less(np.abs(f64(z) - x64 @ w64), sums * (np.abs(x64) @ np.abs(w64)))
+    x_dz = lambda a, b: np.einsum("bth,btv->hv", a, b)
+    for got, want, size, terms in [
+        (dx, dz64 @ w64.T, 300, np.abs(dz64) @ np.abs(w64.T)),
+        (dhead, x_dz(x64, dz64), 150, x_dz(np.abs(x64), np.abs(dz64))),
+    ]:
+        bound = 2.0**-8 * np.abs(want) + size * 2.0**-24 * terms
+        np.testing.assert_array_less(np.abs(f64(got) - want), bound + 1e-30)
+
+
+def test_head_logits_with_fp32_operands_is_the_plain_dot():
+    kx, kw, kz = jax.random.split(fresh_key(), 3)
+    x, head = jax.random.normal(kx, (2, 7, 16)), jax.random.normal(kw, (16, 40))
+    dz = jax.random.normal(kz, (2, 7, 40))
+    plain_dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+    for got, want in zip(jax.vjp(plain.head_logits, x, head)[1](dz),
+                         jax.vjp(plain_dot, x, head)[1](dz), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("precision", ["bf16", "coat"])
+def test_the_lm_head_backward_gemms_take_bf16_operands(precision, chunk):
+    """JAX's transpose of a BF16 x BF16 -> fp32 dot multiplies the fp32 loss gradient with a
+    BF16 operand, lowered as an fp32 GEMM (on an H100 3-4x slower than BF16 at the LM head's
+    shapes); every GEMM of the loss's gradient that reads the vocabulary axis takes BF16."""
+    vocab = 509  # no other axis of this model has that size
+    cfg, graph, params, tokens = model_and_tokens(precision, vocab=vocab)
+    cfg = dataclasses.replace(cfg, loss_chunk=chunk)
+
+    def loss(params):
+        model = nnx.merge(graph, params)
+        model.config = cfg
+        return loss_fn(model, tokens)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    vocab_dots = [d for d in dots if f"x{vocab}x" in d.split(":")[-1] or f"<{vocab}x" in d]
+    assert len(vocab_dots) >= 3, vocab_dots  # forward, dx, dW
+    for d in vocab_dots:
+        operands = d.split(":")[-1].split("->")[0]
+        assert "f32>" not in operands, d
 
 
 @pytest.mark.parametrize("chunk", [0, -4, 2.5, True])

@@ -286,7 +286,7 @@ class Llama(nnx.Module):
     def _head(self, x: jax.Array, compute_dtype) -> jax.Array:
         """fp32 logits of the last block's output ``x``: the final norm, then the LM head."""
         head = self._head_matrix().astype(compute_dtype)
-        return jnp.dot(self._final_norm(x), head, preferred_element_type=jnp.float32)
+        return plain.head_logits(self._final_norm(x), head)
 
     def chunked_loss(
         self, inputs: jax.Array, targets: jax.Array, weights: jax.Array | None = None
@@ -304,7 +304,7 @@ class Llama(nnx.Module):
             head = self._head_matrix().astype(jnp.float32)  # its gradient sums chunks in fp32
 
             def logits(xc):
-                out = jnp.dot(xc, head.astype(compute_dtype), preferred_element_type=jnp.float32)
+                out = plain.head_logits(xc, head.astype(compute_dtype))
                 return constrain(out, ("batch", None, "vocab"))
 
             return chunked_cross_entropy(logits, x, targets, weights, chunk)

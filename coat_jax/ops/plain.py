@@ -1,10 +1,10 @@
 """Plain differentiable ops of a Llama block, the same in every precision policy: the norms
 (RMSNorm, and OLMo's non-parametric LayerNorm) and SwiGLU (the BF16 baseline's, saving only
-their inputs), QKV clipping (saving a mask), rotary embeddings (saving only the positions) and
-causal attention (cuDNN flash attention on a GPU, elsewhere a reference that saves only
-``q, k, v``). Each is a ``jax.custom_vjp`` with forward, backward and ``defvjp`` side by side;
-math in fp32, outputs in the input's dtype. The FP8 ops of :mod:`coat_jax.ops.flow` reuse
-:func:`norm_fp32` and :func:`swiglu_fp32`.
+their inputs), the LM head's fp32 logits (:func:`head_logits`), QKV clipping (saving a mask),
+rotary embeddings (saving only the positions) and causal attention (cuDNN flash attention on a
+GPU, elsewhere a reference that saves only ``q, k, v``). Each is a ``jax.custom_vjp`` with
+forward, backward and ``defvjp`` side by side; math in fp32, outputs in the input's dtype. The
+FP8 ops of :mod:`coat_jax.ops.flow` reuse :func:`norm_fp32` and :func:`swiglu_fp32`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "NORMS",
     "cached_attention",
     "clip",
+    "head_logits",
     "layernorm",
     "layernorm_fp32",
     "norm",
@@ -34,6 +35,55 @@ __all__ = [
     "swiglu",
     "swiglu_fp32",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# The LM head.
+
+
+def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    r"""fp32 logits ``z = x @ head`` of hidden states ``x (..., h)`` and the head ``(h, vocab)``,
+    both in the compute dtype, the products accumulated in fp32.
+
+    The loss's gradient ``dz`` arrives in fp32; backward rounds it to the operands' dtype
+    before its two GEMMs,
+
+    .. math::
+        \hat{dz} = \mathrm{rd}(dz), \qquad dx = \hat{dz}\, W^\top, \qquad
+        dW = \textstyle\sum_{\text{tokens}} x^\top \hat{dz}
+
+    (fp32 accumulation, results in the operands' dtypes), as mixed-precision training does
+    elsewhere (BF16 autocast, MaxText's BF16 logits). JAX's own transpose of the forward dot
+    multiplies the fp32 ``dz`` with a BF16 operand, which XLA runs as an fp32 GEMM: on an
+    H100 the LM head's two backward GEMMs of a 7B step ran at 216 and 367 TFLOP/s beside its
+    forward's 796 (bench/results/profiles_7b_2layers_b8_fused_h100_2026-12-06.tgz). With fp32
+    operands (the ``fp32`` policy) it is the plain dot, differentiated by JAX under the
+    caller's matmul precision.
+    """
+    if x.dtype == head.dtype == jnp.float32:
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+    return _head_logits(x, head)
+
+
+@jax.custom_vjp
+def _head_logits(x, head):
+    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(x, head):
+    return _head_logits(x, head), (x, head)
+
+
+def _head_logits_bwd(residuals, dz):
+    x, head = residuals
+    dz = dz.astype(x.dtype)
+    dx = jnp.dot(dz, head.T, preferred_element_type=jnp.float32)
+    tokens = tuple(range(x.ndim - 1))
+    dhead = jnp.tensordot(x, dz, axes=(tokens, tokens), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dhead.astype(head.dtype)
+
+
+_head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 # --------------------------------------------------------------------------------------------
