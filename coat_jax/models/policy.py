@@ -26,7 +26,8 @@ policy            GEMMs                               saved for backward
 The FP8 policies carry an :class:`~coat_jax.core.recipe.Fp8Recipe` (formats, group size, GEMM
 backend, operand scaling; the table shows the default). Embedding, attention core, final norm,
 LM head and loss stay BF16/fp32 in every policy but ``fp32``, which computes everything in fp32
-(:attr:`Policy.compute_dtype`, :attr:`Policy.matmul_precision`).
+(:attr:`Policy.compute_dtype`, :attr:`Policy.matmul_precision`); the head's backward GEMMs read
+the loss gradient rounded to BF16 (:func:`coat_jax.ops.plain.head_logits`).
 """
 
 from __future__ import annotations
