@@ -249,7 +249,7 @@ case "${PART:-1}" in
   # and after, BF16 + adamw and COAT + fp8_adamw, two rounds in opposite orders
   [ -f baseline/train.py ] || { echo "PART=53 needs baseline/"; exit 1; }
   runs="bf16:baseline bf16:. coat:baseline coat:."
-  for round in 1 2; do
+  for round in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS=1: the first only
     [ "$round" = 2 ] && runs="coat:. coat:baseline bf16:. bf16:baseline"
     for run in $runs; do
       IFS=: read -r precision tree <<< "$run"
