@@ -112,9 +112,15 @@ def test_fused_optimizer_step_matches_the_optax_chain():
 def test_bf16_gradients_reach_the_fused_update_and_train_like_fp32(grad_accum):
     """grad_dtype=bfloat16: with one micro-batch the fused update receives bf16 gradients (no
     fp32 buffer), with two they are summed in fp32; the chain always gets fp32. Losses over 4
-    steps follow the fp32-gradient run (bf16 rounding of weights and gradients: 1%), the
-    gradient norm is an fp32 scalar."""
+    steps follow the fp32-gradient run (bf16 rounding of weights and gradients: 1%; measured
+    at most 0.11% over 10 batches), the gradient norm is an fp32 scalar. The model computes
+    in BF16: under COAT, E5M2's rounding of every gradient re-rolls with any perturbation and
+    the two runs' losses drifted 0.3-2.3% apart by step 4 (8 batches), more than the rounding
+    this test is about."""
     config, model_config, graph, params = tiny(kernels="interpret", warmup_steps=1)
+    config.precision = "bf16"
+    model_config = configs.llama_config(config)
+    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
     setup = make_optimizer(config.optimizer, 4)
     optimizer, fused = setup.tx, make_fused_update(setup)
     seen = []
