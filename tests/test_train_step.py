@@ -19,9 +19,12 @@ from coat_jax.training.step import make_train_step
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def tiny(**optimizer):
-    """llama_tiny's config, model config, graph and (real) params."""
+def tiny(precision=None, **optimizer):
+    """llama_tiny's config (its own precision unless ``precision`` is given), model config,
+    graph and (real) params."""
     config = configs.load_file(str(ROOT / "configs" / "llama_tiny.py"))
+    if precision is not None:
+        config.precision = precision
     config.optimizer.update(**optimizer)
     model_config = configs.llama_config(config)
     graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
@@ -117,10 +120,7 @@ def test_bf16_gradients_reach_the_fused_update_and_train_like_fp32(grad_accum):
     in BF16: under COAT, E5M2's rounding of every gradient re-rolls with any perturbation and
     the two runs' losses drifted 0.3-2.3% apart by step 4 (8 batches), more than the rounding
     this test is about."""
-    config, model_config, graph, params = tiny(kernels="interpret", warmup_steps=1)
-    config.precision = "bf16"
-    model_config = configs.llama_config(config)
-    graph, params = nnx.split(Llama(model_config, rngs=nnx.Rngs(0)))
+    config, model_config, graph, params = tiny("bf16", kernels="interpret", warmup_steps=1)
     setup = make_optimizer(config.optimizer, 4)
     optimizer, fused = setup.tx, make_fused_update(setup)
     seen = []
