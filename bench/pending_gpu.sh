@@ -229,6 +229,24 @@ profile_2l() {  # tag, precision, optimizer: a 2-layer 7B step at batch 4, by op
     --hlo "$OUT/hlo_${name#profile_}.txt.gz" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
 }
 
+train_114m() {  # script, precision, metrics name, train.py flags...: Llama-114M through the
+  # given train.py, 300 steps, its tokens/s lines shown and metrics.jsonl kept as $OUT/<name>
+  local script=$1 precision=$2 name=$3; shift 3
+  rm -rf /tmp/train_114m
+  timeout 110 $PY "$script" --config configs/llama_114m.py --config.steps=300 \
+    --config.precision="$precision" --config.optimizer.name="$(policy_optimizer "$precision")" \
+    --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
+    --config.progress=False --config.workdir=/tmp/train_114m "$@" 2>&1 \
+    | grep -E "tokens_per_s|Error|error" | cut -c1-150 | tail -3
+  cp /tmp/train_114m/metrics.jsonl "$OUT/$name" 2>/dev/null
+}
+
+layer_row() {  # round, policy, jsonl name, timeout: one 7B block (bench/layer.py) as one JSON
+  # line tagged with its round, appended to $OUT/<jsonl name>
+  timeout "$4" $PY bench/layer.py --policy "$2" 2>&1 | tail -1 \
+    | sed "s/^{/{\"round\": $1, /" | tee -a "$OUT/$3" | cut -c1-110
+}
+
 policy_optimizer() {  # precision -> the optimizer it trains with in the issues' tables
   [ "$1" = coat ] && echo fp8_adamw || echo adamw
 }
@@ -254,15 +272,9 @@ case "${PART:-1}" in
     for run in $runs; do
       IFS=: read -r precision tree <<< "$run"
       tag=$([ "$tree" = . ] && echo after || echo before)
-      rm -rf /tmp/p53
       echo "-- round $round: $precision $tag (${SECONDS}s)"
-      timeout 110 $PY "$tree/train.py" --config configs/llama_114m.py --config.steps=300 \
-        --config.precision="$precision" --config.optimizer.name="$(policy_optimizer "$precision")" \
-        --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-        --config.progress=False --config.workdir=/tmp/p53 2>&1 \
-        | grep -E "tokens_per_s|Error|error" | cut -c1-150 | tail -2
-      cp /tmp/p53/metrics.jsonl "$OUT/throughput_114m_head_${precision}_${tag}_round${round}_h200_$DAY.jsonl" \
-        2>/dev/null
+      train_114m "$tree/train.py" "$precision" \
+        "throughput_114m_head_${precision}_${tag}_round${round}_h200_$DAY.jsonl"
     done
   done
   ;;
@@ -275,9 +287,7 @@ case "${PART:-1}" in
     rows="fp8_linear coat coat+pallas_gemm"
     [ "$round" = 1 ] && rows="$rows coat+bf16_product"
     for policy in $rows; do
-      timeout 90 $PY bench/layer.py --policy "$policy" 2>&1 | tail -1 \
-        | sed "s/^{/{\"round\": $round, /" \
-        | tee -a "$OUT/layer_pallas_gemm_fused_h200_$DAY.jsonl" | cut -c1-110
+      layer_row "$round" "$policy" "layer_pallas_gemm_fused_h200_$DAY.jsonl" 90
       echo "-- ${SECONDS}s"
     done
   done
@@ -333,16 +343,9 @@ case "${PART:-1}" in
   for round in 1 2; do
     for run in "bf16|bf16|" "fp8_linear|fp8_linear|" "coat|coat|" "coat_fused|coat|$ALL_FUSED"; do
       IFS='|' read -r tag precision flags <<< "$run"
-      rm -rf /tmp/p49
       echo "-- round $round: $tag"
       # shellcheck disable=SC2086
-      timeout 110 $PY train.py --config configs/llama_114m.py --config.steps=300 \
-        --config.precision=$precision --config.optimizer.name="$(policy_optimizer "$precision")" \
-        --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-        --config.progress=False --config.workdir=/tmp/p49 $flags 2>&1 \
-        | grep -E "tokens_per_s|Error|error" | cut -c1-120 | tail -3
-      cp /tmp/p49/metrics.jsonl "$OUT/throughput_114m_${tag}_round${round}_h200_$DAY.jsonl" \
-        2>/dev/null
+      train_114m train.py "$precision" "throughput_114m_${tag}_round${round}_h200_$DAY.jsonl" $flags
     done
   done
   ;;
@@ -377,9 +380,7 @@ case "${PART:-1}" in
     rows="coat+unfused coat+fused_backward coat+fused_mlp+fused_backward fp8_linear"
     [ $round = 1 ] && rows="$rows coat+fused_mlp coat+all_fused+fused_backward"
     for policy in $rows; do
-      timeout 80 $PY bench/layer.py --policy "$policy" 2>&1 | tail -1 \
-        | sed "s/^{/{\"round\": $round, /" \
-        | tee -a "$OUT/layer_fused_backward_h200_$DAY.jsonl" | cut -c1-110
+      layer_row "$round" "$policy" "layer_fused_backward_h200_$DAY.jsonl" 80
     done
   done
   ;;
