@@ -187,6 +187,8 @@
 #                                      FP8 GEMM on Pallas (two interleaved rounds)
 #   PART=53 bash bench/pending_gpu.sh  the LM head's backward on BF16 operands: Llama-114M through
 #                                      train.py before (baseline/, carried) and after, BF16, COAT
+#   PART=54 bash bench/pending_gpu.sh  issue 24: Llama-114M's step by op (and HLO), BF16,
+#                                      FP8-linear, COAT as auto runs it
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -260,6 +262,19 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+54)
+  # issue 24's 114M target: Llama-114M's step by op with its HLO, BF16, FP8-linear and COAT as
+  # train.py runs them (fused kernels under auto), one archive: what COAT still spends there
+  for precision in bf16 fp8_linear coat; do
+    name="profile_114m_${precision}_h200_$DAY"
+    echo "== Llama-114M step (batch 16 x 512): $precision"
+    timeout 120 $PY bench/profile_step.py --config configs/llama_114m.py --set precision=$precision \
+      --set optimizer.name="$(policy_optimizer "$precision")" --top 400 --json "$OUT/$name.json" \
+      --hlo "$OUT/hlo_${name#profile_}.txt.gz" 2>&1 | grep -v -i warn \
+      | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+  done
+  profiles_archive 114m_by_op
+  ;;
 53)
   # the LM head's backward GEMMs on BF16 operands (coat_jax.ops.plain.head_logits): Llama-114M
   # through train.py, 300 steps, before (baseline/train.py beside baseline/'s packages, carried:
