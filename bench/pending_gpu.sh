@@ -271,7 +271,7 @@ case "${PART:-1}" in
     timeout 120 $PY bench/profile_step.py --config configs/llama_114m.py --set precision=$precision \
       --set optimizer.name="$(policy_optimizer "$precision")" --top 400 --json "$OUT/$name.json" \
       --hlo "$OUT/hlo_${name#profile_}.txt.gz" 2>&1 | grep -v -i warn \
-      | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+      | sed -n '/^step/p;/^inside a step/p;/^| [A-Za-z]/p' | head -13
   done
   profiles_archive 114m_by_op
   ;;

@@ -21,8 +21,10 @@ Each device op of the trace is put in one category by the HLO instruction it ran
 
 Printed and written (``--json``): per category ms per step and share of the device time, the
 communication by collective and element type (``all-gather f8e4m3fn``: an FP8 weight gather), the
-top kernels, the step's wall time (median) next to the device time, and the trace's process and
-thread names (so an unexpected trace layout shows); ``--hlo`` writes the compiled step's HLO text,
+top kernels, the step's wall time (median) next to the device time, how many kernels a step runs
+and how long the device sits idle between them inside a step (``timeline``: what a step of
+many small kernels loses to launches), and the trace's process and thread names (so an
+unexpected trace layout shows); ``--hlo`` writes the compiled step's HLO text,
 in which each traced op name is an instruction (its fusion's body). The trace folder is kept
 (``--trace_dir``) for Perfetto / TensorBoard. CUDA graphs (XLA's command buffers) are turned off so
 that every kernel keeps its HLO name (docs/bench-methods.md). On a CPU the trace has no device ops:
@@ -36,9 +38,11 @@ import collections
 import datetime
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
+import statistics
 import time
 
 import jax
@@ -200,11 +204,11 @@ def _load_trace(trace_dir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def device_ops(events: list[dict]) -> tuple[list[tuple[str, float, int]], dict]:
-    """``([(op name, microseconds, device pid)], layout)`` from a trace's events: complete
-    events of device processes (``/device:GPU:n``...), from the thread that names XLA ops when
-    there is one (else every thread: CUDA streams), so that nothing is counted twice.
-    ``layout`` lists processes and threads with their event counts."""
+def device_ops(events: list[dict]) -> tuple[list[tuple[str, float, int, float]], dict]:
+    """``([(op name, microseconds, device pid, start in microseconds)], layout)`` from a
+    trace's events: complete events of device processes (``/device:GPU:n``...), from the
+    thread that names XLA ops when there is one (else every thread: CUDA streams), so that
+    nothing is counted twice. ``layout`` lists processes and threads with their event counts."""
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
@@ -227,8 +231,46 @@ def device_ops(events: list[dict]) -> tuple[list[tuple[str, float, int]], dict]:
         if pid_has_ops and key not in ops_threads:
             continue
         name = (e.get("args") or {}).get("hlo_op") or e.get("name", "")
-        out.append((name.lstrip("%"), float(e.get("dur", 0.0)), e["pid"]))
+        out.append((name.lstrip("%"), float(e.get("dur", 0.0)), e["pid"], float(e.get("ts", 0.0))))
     return out, layout
+
+
+def timeline(ops, steps: int) -> dict:
+    """How busy each device is inside a step, from :func:`device_ops`' start times.
+
+    ``measure.time_loop`` waits for the device after every step, so a device's ops fall in
+    ``steps`` bursts: they are split at the ``steps - 1`` widest idle gaps. Per step, ``span``
+    runs from its first op's start to its last op's end and ``busy`` is the union of its ops'
+    intervals; ``span - busy`` is time the device sat idle between kernels inside the step
+    (launch latency, the host enqueuing slower than the kernels run: what a step of many small
+    kernels loses). Medians over steps, averaged over devices, in ms; ``kernels_per_step`` the
+    ops a step. Empty for a trace without device ops (a CPU)."""
+    by_device = collections.defaultdict(list)
+    for _, us, pid, start in ops:
+        by_device[pid].append((start, start + us))
+    rows = []
+    for intervals in by_device.values():
+        intervals.sort()
+        ends, gaps = [], []  # running end of the union; idle gap before op i (i >= 1)
+        for i, (start, end) in enumerate(intervals):
+            if i:
+                gaps.append((start - ends[-1], i))
+            ends.append(max(end, ends[-1]) if ends else end)
+        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: max(steps - 1, 0)])
+        bounds = [0, *cuts, len(intervals)]
+        per_step = []
+        for lo, hi in itertools.pairwise(bounds):
+            busy, reach = 0.0, float("-inf")
+            for start, end in intervals[lo:hi]:
+                busy += max(end - max(start, reach), 0.0)
+                reach = max(reach, end)
+            per_step.append((hi - lo, reach - intervals[lo][0], busy))
+        rows.append([statistics.median(column) for column in zip(*per_step, strict=True)])
+    if not rows:
+        return {}
+    kernels, span, busy = (sum(column) / len(rows) for column in zip(*rows, strict=True))
+    return {"kernels_per_step": kernels, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "idle_in_step_ms": (span - busy) / 1e3}  # fmt: skip
 
 
 def _fallback_category(name: str) -> str:
@@ -252,11 +294,11 @@ def summarize(ops, categories: dict[str, str], steps: int, top: int, kinds=None,
     total time with their ops per step; ms per step of each collective kind (``kinds``, from
     :func:`collective_kinds`). ``categories`` maps HLO names (unknown names fall back to
     kernel-name patterns)."""
-    devices = max(len({pid for _, _, pid in ops}), 1)
+    devices = max(len({op[2] for op in ops}), 1)
     per_cat, per_op, per_kind = collections.Counter(), collections.Counter(), collections.Counter()
     per_sig, sig_count = collections.Counter(), collections.Counter()
     cat_of, kinds, signatures = {}, kinds or {}, signatures or {}
-    for name, us, _ in ops:
+    for name, us, *_ in ops:
         cat = categories.get(name) or _fallback_category(name)
         cat_of[name] = cat
         per_cat[cat] += us
@@ -346,6 +388,7 @@ def main(argv=None):
     result["trace_layout"] = layout
     result["hlo_instructions"] = len(categories)
     result.update(summarize(ops, categories, args.steps, args.top, kinds, signatures))
+    result["timeline"] = timeline(ops, args.steps)
 
     print(f"\n{result['device']} x {result['devices']}, mesh {result['mesh']}, "
           f"{result['params'] / 1e6:.0f}M params, {' '.join(args.set)}")  # fmt: skip
@@ -353,6 +396,11 @@ def main(argv=None):
         f"step {result['step_ms_median']:.1f} ms (wall, median of {args.steps}), device "
         f"{result['device_ms_per_step']:.1f} ms per device; compile {result['compile_s']:.0f} s"
     )
+    if result["timeline"]:
+        t = result["timeline"]
+        print(f"inside a step: {t['kernels_per_step']:.0f} kernels; the device busy "
+              f"{t['busy_ms']:.1f} of {t['span_ms']:.1f} ms from its first kernel to its last "
+              f"(idle between kernels {t['idle_in_step_ms']:.1f} ms)")  # fmt: skip
     if all(peaks):
         print(f"peak memory per device: {', '.join(f'{p / 1e9:.1f} GB' for p in peaks)}")
     if not ops:

@@ -103,7 +103,7 @@ def _trace(tmp_path):
 
 def test_device_ops_and_summary(tmp_path):
     ops, layout = ps.device_ops(ps._load_trace(str(_trace(tmp_path))))
-    assert sorted((n, d) for n, d, _ in ops) == [
+    assert sorted((n, d) for n, d, *_ in ops) == [
         ("gemm.2", 600.0), ("gemm.2", 600.0), ("ncclDevKernel_AllGather", 200.0),
         ("quant_fusion.1", 200.0)]  # fmt: skip
     assert layout["/device:GPU:0"] == {"XLA Ops": 2, "Stream #13": 1}
@@ -128,6 +128,25 @@ def test_device_ops_and_summary(tmp_path):
         "other": pytest.approx(0.05)}  # fmt: skip
 
 
+def test_timeline_splits_steps_at_the_widest_gaps_and_counts_idle_time():
+    # (name, us, pid, start): device 7 runs two steps (the second after the host's wait), one
+    # op inside another's interval; device 8 one op a step
+    ops = [("a", 100.0, 7, 0.0), ("b", 90.0, 7, 110.0), ("c", 30.0, 7, 150.0),
+           ("d", 100.0, 7, 1000.0), ("e", 50.0, 7, 1150.0),
+           ("f", 50.0, 8, 2000.0), ("g", 50.0, 8, 0.0)]  # fmt: skip
+    t = ps.timeline(ops, steps=2)
+    # device 7: step 1 spans 200 us, busy 190, 3 kernels; step 2 spans 200, busy 150, 2
+    # kernels; device 8: 50 / 50 / 1. Medians over steps, then the mean over devices
+    assert t["kernels_per_step"] == pytest.approx((2.5 + 1) / 2)
+    assert t["span_ms"] == pytest.approx((200 + 50) / 2 / 1e3)
+    assert t["busy_ms"] == pytest.approx((170 + 50) / 2 / 1e3)
+    assert t["idle_in_step_ms"] == pytest.approx((30 + 0) / 2 / 1e3)
+    # one step: nothing split off; no ops: nothing to say
+    one = ps.timeline([op for op in ops if op[2] == 7][:3], steps=1)
+    assert one["kernels_per_step"] == 3 and one["idle_in_step_ms"] == pytest.approx(0.01)
+    assert ps.timeline([], steps=3) == {}
+
+
 def test_cpu_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds a flag
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the user's setting wins
@@ -146,7 +165,7 @@ def test_cpu_smoke(tmp_path, monkeypatch):
     assert saved["gemm_backend"] == "xla"  # config.fp8.gemm
     assert saved["allocator"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}  # fmt: skip
-    assert isinstance(saved["top_signatures"], list)
+    assert isinstance(saved["top_signatures"], list) and saved["timeline"] == {}  # no device ops
     assert "--xla_gpu_enable_command_buffer=" in saved["xla_flags"]  # kernels keep their names
     assert saved["peak_bytes_per_device"] == [None] * math.prod(saved["mesh"].values())  # a CPU
     with pytest.raises(SystemExit):  # a missing folder stops the parser, before any compile
