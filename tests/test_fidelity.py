@@ -12,7 +12,8 @@ COAT's default recipe (per-tensor E4M3 / E5M2, FP8 forward) +0.37%, FP8 forward 
 128x128 blocks and E4M3 gradients +0.31%: an FP8 forward adds its rounding noise to the loss
 it reports (fp32's final weights read +0.40% through COAT's forward). BF16 forward GEMMs with
 FP8 backward GEMMs scaled per row, E4M3 gradients and COAT's FP8 saved activations: -0.13%
-(the recipe the README recommends, asserted here).
+(the recipe the README recommends, asserted here); +0.047% since the LM head's backward GEMMs
+take the loss gradient in BF16 (2026-12-06, ``coat_jax.ops.plain.head_logits``).
 """
 
 from __future__ import annotations
