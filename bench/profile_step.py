@@ -251,11 +251,10 @@ def timeline(ops, steps: int) -> dict:
     rows = []
     for intervals in by_device.values():
         intervals.sort()
-        ends, gaps = [], []  # running end of the union; idle gap before op i (i >= 1)
-        for i, (start, end) in enumerate(intervals):
-            if i:
-                gaps.append((start - ends[-1], i))
-            ends.append(max(end, ends[-1]) if ends else end)
+        gaps, reach = [], intervals[0][1]  # idle gap before op i (i >= 1); the union's end
+        for i, (start, end) in enumerate(intervals[1:], 1):
+            gaps.append((start - reach, i))
+            reach = max(reach, end)
         cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: max(steps - 1, 0)])
         bounds = [0, *cuts, len(intervals)]
         per_step = []
