@@ -183,20 +183,22 @@ def test_outlier_column_costs_per_tensor_scaling_more_than_blocks():
 
 
 def test_tap_measures_in_its_backward():
-    """``tap``'s VJP is ``x W``'s, and the sink's cotangent is ``measure(x, W, dy)``."""
-    x, w, _ = _operands(np.random.default_rng(), t=64, k=32, n=16)
+    """``tap``'s VJP is ``x W``'s, and the sink's cotangent is ``measure(x, W, dy)``.
+
+    The loss is linear in ``y = x W`` (``sum(y * c)``), so the ``dy`` that reaches the tap is
+    exactly ``c``: the metrics quantize ``dy`` (they jump where a code flips), so the expected
+    value must see the same ``dy`` bit for bit, not a float64 recomputation of it.
+    """
+    x, w, c = _operands(np.random.default_rng(), t=64, k=32, n=16)
     recipes = gemm_error.parse_recipes("row-e4m3-e5m2")
     measure = functools.partial(gemm_error.gemm_metrics, recipes=recipes)
-    sink = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(measure, x, w, jnp.ones((64, 16)))
-    )
-    loss = lambda x, w, sink: jnp.sum(jnp.sin(gemm_error.tap(measure, x, w, sink)))
+    sink = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(measure, x, w, c))
+    loss = lambda x, w, sink: jnp.sum(gemm_error.tap(measure, x, w, sink) * c)
     dx, dw, measured = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, sink)
-    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    dy = np.cos(x64 @ w64)
-    np.testing.assert_allclose(dx, dy @ w64.T, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(dw, x64.T @ dy, rtol=1e-4, atol=1e-4)
-    expected = measure(x, w, jnp.asarray(dy, jnp.float32))
+    x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, c))
+    np.testing.assert_allclose(dx, c64 @ w64.T, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(dw, x64.T @ c64, rtol=1e-4, atol=1e-7)
+    expected = measure(x, w, c)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4), measured, expected)
 
 
