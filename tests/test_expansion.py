@@ -147,9 +147,12 @@ def test_expansion_uses_the_format_range_on_adam_like_groups():
     rng = np.random.default_rng()
     v = rng.uniform(1.0, 10.0, size=(1, 128)).astype(np.float32)
     k = float(expansion.decode_k(roundtrip(v, E4M3)[0].k)[0, 0])
-    # one element whose code rounds up from the subnormals to the smallest normal (see below)
-    v[0, 0] = v.max() * ((2.0**-6 - 2.0**-10) * 1.0005 / E4M3.max) ** (1 / k)
-    assert v.min() < v[0, 0] < v.max()
+    # one element whose code rounds up from the subnormals to the smallest normal (see below);
+    # a middle one, so that the group's max and min, hence k, stay (overwriting the max or the
+    # min moved k by 1/16 in 7 of 1,000 seeds, 2026-12-07)
+    i = int(np.argsort(v[0])[v.shape[1] // 2])
+    v[0, i] = v.max() * ((2.0**-6 - 2.0**-10) * 1.0005 / E4M3.max) ** (1 / k)
+    assert v.min() < v[0, i] < v.max()
     q, y = roundtrip(v, E4M3)
     assert float(expansion.decode_k(q.k)[0, 0]) == k
     ratio = v.max() / v.min()
