@@ -12,6 +12,140 @@
 # on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search
 # --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
 #
+#   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
+#                                      weight-gradient GEMM, the fused quantize kernels), then
+#                                      one 7B block per policy with and without the fused
+#                                      quantize kernels (issue 24), then Llama-2-13B's memory
+#                                      plan and largest batch on one H200 (issue 18)
+#   PART=2 bash bench/pending_gpu.sh   Llama-2-13B through train.py at the planner's largest
+#                                      batch (peak, tokens/s, MFU; issue 18), and the 7B
+#                                      largest batch with bf16 gradients + chunked loss
+#   PART=4 bash bench/pending_gpu.sh   the fused quantize kernels' GPU test, then Llama-2-13B
+#                                      through train.py at batch 4 (BF16 + 16-bit master; then
+#                                      batch 5, or BF16 + 8-bit if 4 did not fit): peak,
+#                                      tokens/s, MFU (BATCHES="4 5": those, BF16 + 16-bit)
+#   PART=5 bash bench/pending_gpu.sh   the compiled parts-kernel tests (to turn it on under
+#                                      auto), then Llama-2-13B at batch 4 with it
+#   PART=6 bash bench/pending_gpu.sh   fidelity of bf16 gradients and BF16 + 8-bit master
+#                                      weights against fp32 master, 114M, 2000 steps: SEEDS=0
+#                                      in one call, SEEDS=1 in the next (a machine starts bare:
+#                                      a call must finish its runs; ~2 min each); RUNS=...
+#                                      (fidelity.py --runs) and SEEDS=0,1 fit fewer runs of
+#                                      more seeds in one call
+#   PART=7 bash bench/pending_gpu.sh   issue 20: Llama-2-7B tokens/s of the recipe closest to
+#                                      fp32 (BF16 forward GEMMs, row-scaled E4M3 backward) at
+#                                      batch 8 and its largest batch; RECIPE=default: COAT's
+#                                      default the same way (one call each: on 2026-12-02 both
+#                                      in one call left no time for the largest-batch search,
+#                                      a 7B compile takes 72-76 s)
+#   PART=9 bash bench/pending_gpu.sh   114M throughput: train.py's tokens/s (BF16 + adamw and
+#                                      fp8_linear + adamw first; COAT fp32 master;
+#                                      the same with the update in the backward pass, no
+#                                      lax.cond; bf16+8 rebuilt around the kernel; bf16+8 on
+#                                      the parts kernel) beside the step alone (profile_step):
+#                                      the 12-02 fidelity call saw 273k and 190k against 367k
+#                                      on 11-30
+#   PART=8 bash bench/pending_gpu.sh   issue 20: the block-scaled GEMM's compiled tests (every
+#                                      candidate config), then each candidate's TFLOP/s beside
+#                                      the per-tensor kernel and cuBLASLt FP8 (one call), then
+#                                      the parts kernel's compiled tests (PART=5's first half)
+#   PART=10 bash bench/pending_gpu.sh  issue 18: Llama-2-7B with the update in the backward
+#                                      pass (optimizer.update_in_backward): peak at batch 1 with
+#                                      BF16 + 16-bit and + 8-bit master weights (target <= 45
+#                                      GB), then the planner's largest batch (target >= 18,
+#                                      3.5x BF16's 5)
+#   PART=11 bash bench/pending_gpu.sh  issue 24: one 7B block, batch 4, with every per-tensor
+#                                      FP8 GEMM on the Pallas kernel (fp8_linear and COAT) and
+#                                      COAT with gemm=auto, beside the cuBLASLt rows; then the
+#                                      Pallas per-tensor GEMM vs cuBLASLt on the step's other
+#                                      shapes (weight gradients at batch 4, forwards at batch 8)
+#   PART=12 bash bench/pending_gpu.sh  issue 24: Llama-2-7B through train.py at batch 4 (M = 8192,
+#                                      every GEMM shape measured): fp8_linear, COAT, COAT with
+#                                      fp8.gemm=auto (the Pallas per-tensor GEMM)
+#   PART=13 bash bench/pending_gpu.sh  issue 18: what Llama-2-7B's compiled step holds at its
+#                                      peak (bench/peak_buffers.py, nothing runs), batch 1, bf16
+#                                      gradients: the default step, then the update in the
+#                                      backward pass on BF16 + 16-bit master weights
+#   PART=14 bash bench/pending_gpu.sh  issue 24: where the 7B step's time goes at batch 4 with
+#                                      cuBLASLt and with the Pallas GEMMs (profile_step, one
+#                                      after the other): if PART=12 shows the Pallas step slower
+#                                      while the block (bench/layer.py --gemm) is faster
+#   PART=15 bash bench/pending_gpu.sh  issue 18: Llama-2-7B at batch 1 with every memory option
+#                                      (update in the backward pass, BF16 + 8-bit, bf16
+#                                      gradients, weights requantized in backward): peak and
+#                                      tokens/s; then 7B at batch 4, COAT with and without the
+#                                      requantized weights (tokens/s, peak)
+#   PART=16 bash bench/pending_gpu.sh  the split-with-barrier test and the skip flag's on the
+#                                      GPU; then the compiled 7B step's peak buffers with
+#                                      fp8.saved_weights fp8 / requantize (batch 1 in the
+#                                      backward pass on BF16 + 8-bit; batch 4 on fp32 master)
+#   PART=17 bash bench/pending_gpu.sh  issue 18: Llama-2-7B with every memory option and the
+#                                      attention recomputed: the compiled step at batch 2 and
+#                                      PROBE (24), then train.py at the largest batch on the
+#                                      line through the two totals (2026-12-02: batch 32)
+#   PART=18 bash bench/pending_gpu.sh  COAT's default 7B step through train.py at the largest
+#                                      batch its planner finds (batch_size=-1; 12 before the
+#                                      dequantization barrier), 6 steps
+#   PART=19 bash bench/pending_gpu.sh  issue 18: the fused update's compiled tests, then where its
+#                                      time goes (bench/adam_ablation.py: tunings, I/O only, no
+#                                      expansion, reciprocal bias corrections), the kernel of
+#                                      BASELINE (a checkout of an earlier commit, if present)
+#                                      timed the same way, then the 1.01B-parameter step beside
+#                                      optax.adamw
+#   PART=20 bash bench/pending_gpu.sh  issue 24: the 7B COAT step at batch 4 by op signature with
+#                                      fp8.gemm=auto and xla, then Llama-114M's step per policy
+#                                      (bf16, COAT, fp8_linear) the same way
+#   PART=21 bash bench/pending_gpu.sh  bench/fp8_epilogue.py: which spelling of a scaled FP8 GEMM
+#                                      lets cuBLASLt write BF16 (step shapes)
+#   PART=22 bash bench/pending_gpu.sh  one 7B block with fp8.gemm_product=bf16 rows (bench/layer.py
+#                                      --product; 240 s was too short on 2026-12-03); E2E=1: then
+#                                      the 7B step at batch 4 with and without it (bench/e2e.py)
+#   PART=23 bash bench/pending_gpu.sh  issue 24: a 2-layer Llama-2-7B step at batch 4 by op, with
+#                                      its compiled HLO (bench/profile_step.py --hlo): COAT,
+#                                      fp8_linear, bf16; COAT and fp8_linear again under
+#                                      --xla_allow_excess_precision=false (does XLA keep bf16
+#                                      values in f32 between fusions?)
+#   PART=24 bash bench/pending_gpu.sh  issue 24: the tree under test against baseline/ (a
+#                                      git-ignored copy of the packages before the change, carried
+#                                      to the device): the 2-layer COAT profile, one 7B block
+#                                      (twice, interleaved), the 7B step at batch 4; one archive
+#                                      of the profiles (the device returns at most 8 files)
+#   PART=26 bash bench/pending_gpu.sh  issue 24: Llama-114M through train.py (COAT, BF16) with
+#                                      XLA's command buffers (CUDA graphs) for every thunk kind
+#                                      (2026-12-03: no help; COAT 30-43 ms a step through
+#                                      train.py against 24.5 ms of device time)
+#   PART=27 bash bench/pending_gpu.sh  issue 24: Llama-114M's host dispatch beside its step time
+#                                      (bench/host_dispatch.py: COAT, fp8_linear, BF16, each also
+#                                      called on its flat arrays, --flat; COAT again with every
+#                                      thunk kind in command buffers; ran 2026-12-03 without --flat)
+#   PART=28 / 30 bash ...              Llama-114M through train.py before / after the heap
+#                                      freeze (baseline/ carried), alternating; PART=30 COAT only
+#                                      and its host_dispatch --flat rows
+#   PART=29 bash bench/pending_gpu.sh  issue 24: the three 7B policies through train.py at their
+#                                      largest batches (BATCHES="bf16 fp8_linear coat")
+#   PART=31 bash bench/pending_gpu.sh  train.py's flat-array loop at 114M, each policy, COAT also
+#                                      through the old loop (baseline/train.py), alternating
+#   PART=32 bash bench/pending_gpu.sh  114M COAT through train.py as is, without XLA's excess
+#                                      precision, with BF16 FP8-GEMM products
+#   PART=33 bash bench/pending_gpu.sh  114M COAT through train.py as is, with the fused quantize
+#                                      kernels forced on, with the Pallas GEMM
+#   PART=34 bash bench/pending_gpu.sh  the 7B step through train.py on 4c81534's whole tree
+#                                      (baseline/, carried) and on HEAD, alternating
+#                                      (POLICY=fp8_linear|coat, BATCH=5)
+#   PART=35 bash bench/pending_gpu.sh  where PART=34's 6% went: the 2-layer 7B step's per-op
+#                                      profile (bench/profile_step.py, batch 5) on baseline/
+#                                      (BASELINE=another baseline*/ tree) and on HEAD,
+#                                      alternating (POLICY=fp8_linear|coat)
+#   PART=36 bash bench/pending_gpu.sh  issue 20: the block-scaled GEMM with two 128-K blocks a
+#                                      pipeline step (tile_k=256, the first's promotion
+#                                      overlapping the second's wgmma): compiled tests, every
+#                                      candidate timed; the GPU non-finite tests of the FP8
+#                                      encode; then COAT's 7B step at batch 5 through train.py
+#   PART=37 bash bench/pending_gpu.sh  the fused moment kernel's compiled non-finite tests
+#                                      (tracebacks) on HEAD, then on baseline_head/ (the tree
+#                                      before the kernel's rewrite: git archive 63a0407~1)
+#   PART=38 bash bench/pending_gpu.sh  the non-finite guard's cost on the 7B FP8-linear step at
+#                                      batch 5 (bench/step_guard.py; 4c81534 had none)
 #   PART=41 bash bench/pending_gpu.sh  issue 20: the block-scaled candidates' compiled tests, then
 #                                      the configs of CONFIGS=bench/configs/<file>.json timed
 #                                      side by side (default: gemm_sweep_clusters.json, two-CTA
