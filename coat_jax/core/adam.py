@@ -177,9 +177,16 @@ def update_moments(g, m, v, c: AdamCoefficients, *, g_m=None):
     return m, v
 
 
-def direction(m, v, c: AdamCoefficients):
-    """The bias-corrected Adam direction ``u`` from the new fp32 moments."""
-    return (m / c.bc1) / (jnp.sqrt(v / c.bc2 + c.eps_root) + c.eps)
+def direction(m, v, c: AdamCoefficients, *, g_m=None, nesterov_bc1=None):
+    """The bias-corrected Adam direction ``u`` from the new fp32 moments. With
+    ``nesterov_bc1`` (``1 - b1^(t+1)``) the numerator is Nesterov's, ``b1 m / (1 - b1^(t+1)) +
+    (1 - b1) g / (1 - b1^t)`` (``g``: ``g_m``, the gradient the first moment took), as
+    ``optax.scale_by_adam(nesterov=True)`` computes it."""
+    if nesterov_bc1 is None:
+        m_hat = m / c.bc1
+    else:
+        m_hat = c.b1 * (m / nesterov_bc1) + c.one_minus_b1 * (g_m / c.bc1)
+    return m_hat / (jnp.sqrt(v / c.bc2 + c.eps_root) + c.eps)
 
 
 def loaded_second_moment(v):
@@ -206,23 +213,27 @@ def first_moment_gradient(g):
     return jnp.where((g * g == jnp.inf) & (jnp.abs(g) < jnp.inf), 0.0, g)
 
 
-def stored_step(g, mu, nu, c: AdamCoefficients):
+def stored_step(g, mu, nu, c: AdamCoefficients, nesterov_bc1=None):
     """One Adam step on moments as stored: ``(u, new mu, new nu)``, fp32 ``u``.
 
     ``g`` is fp32; each moment is a per-group :class:`~coat_jax.core.quant.QuantizedArray`
     (decoded, stepped in fp32 and re-encoded in the same format, groups and expansion, with
-    :func:`loaded_second_moment` / :func:`first_moment_gradient`) or an fp32 array (stepped as
-    ``optax.adamw`` steps it). The reference of the Pallas moment kernels, whose tiles run the
-    same functions.
+    :func:`loaded_second_moment` / :func:`first_moment_gradient`) or a plain array (stepped in
+    fp32 and stored back in its dtype, as ``optax.adamw`` steps it). ``nesterov_bc1``: see
+    :func:`direction`. The reference of the Pallas moment kernels, whose tiles run the same
+    functions.
     """
     fp8_m, fp8_v = isinstance(mu, quant.QuantizedArray), isinstance(nu, quant.QuantizedArray)
-    m = quant.dequantize(mu) if fp8_m else mu
-    v = loaded_second_moment(quant.dequantize(nu)) if fp8_v else nu
-    m, v = update_moments(g, m, v, c, g_m=first_moment_gradient(g) if fp8_m else None)
-    u = direction(m, v, c)
+    m = quant.dequantize(mu) if fp8_m else mu.astype(jnp.float32)
+    v = loaded_second_moment(quant.dequantize(nu)) if fp8_v else nu.astype(jnp.float32)
+    g_m = first_moment_gradient(g) if fp8_m else g
+    m, v = update_moments(g, m, v, c, g_m=g_m)
+    u = direction(m, v, c, g_m=g_m, nesterov_bc1=nesterov_bc1)
 
     def store(x, like):
+        if not isinstance(like, quant.QuantizedArray):
+            return x.astype(like.dtype)
         size = like.data.shape[-1]
         return quant.quantize(x, like.fmt, group_size=size, expand=like.expanded)
 
-    return u, store(m, mu) if fp8_m else m, store(v, nu) if fp8_v else v
+    return u, store(m, mu), store(v, nu)

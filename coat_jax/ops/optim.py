@@ -41,6 +41,19 @@ def _check_decay(value, what: str):
         raise ValueError(f"{what} must be in [0, 1), got {value}")
 
 
+def _moment_dtype(mu_dtype):
+    """The dtype of the first moments kept out of FP8: ``mu_dtype`` (a floating dtype) or fp32."""
+    if mu_dtype is None:
+        return jnp.dtype(jnp.float32)
+    try:
+        dtype = jnp.dtype(mu_dtype)
+    except TypeError:
+        raise TypeError(f"mu_dtype must be a dtype or None, got {mu_dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise TypeError(f"mu_dtype must be a 16- or 32-bit floating dtype, got {dtype}")
+    return dtype
+
+
 def _check_float_leaves(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -55,7 +68,9 @@ def scale_by_fp8_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype=None,
     *,
+    nesterov: bool = False,
     group_size: int | None = None,
     mu_format: str | None = "e4m3",
     nu_format: str | None = "e4m3",
@@ -75,14 +90,22 @@ def scale_by_fp8_adam(
       u_t &= \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t) + \epsilon_{root}}
              + \epsilon}, \qquad \hat m_t = Q(m_t), \quad \hat v_t = Q(v_t),
 
-    all in fp32; :math:`u_t` is returned in the gradient's dtype. With both formats ``None``
-    this is ``optax.scale_by_adam`` with fp32 moments.
+    all in fp32; :math:`u_t` is returned in the gradient's dtype. With ``nesterov`` the
+    numerator :math:`m_t / (1 - \beta_1^t)` becomes :math:`\beta_1 m_t / (1 - \beta_1^{t+1})
+    + (1 - \beta_1) g_t / (1 - \beta_1^t)`, as in ``optax.scale_by_adam(nesterov=True)``.
+    With both formats ``None`` this is ``optax.scale_by_adam`` (same arguments, same order).
 
     Args:
       b1: decay of the first moment.
       b2: decay of the second moment.
       eps: added to the denominator outside the square root.
       eps_root: added inside the square root.
+      mu_dtype: dtype of the first moments that are not stored in FP8 (parameters under
+        ``min_size``, 0-d ones, every one with ``mu_format=None``); ``None``: fp32. The step
+        runs in fp32 and only the stored moment is rounded to it (``optax.scale_by_adam``
+        also rounds :math:`\beta_1 m` in ``mu_dtype``).
+      nesterov: Nesterov momentum (NAdam), as ``optax.scale_by_adam``'s. The Pallas moment
+        kernel does not take it: with ``nesterov`` every parameter steps on the reference.
       group_size: largest quantization group along each parameter's last axis (a static int;
         ``None``: :data:`DEFAULT_GROUP_SIZE`). The ``None`` defaults keep both out of
         ``optax.inject_hyperparams``' numeric hyperparameters, so it needs no ``static_args``.
@@ -113,7 +136,10 @@ def scale_by_fp8_adam(
         raise TypeError(f"expansion must be a bool, got {type(expansion).__name__}")
     _check_decay(b1, "b1")
     _check_decay(b2, "b2")
-    use_kernel = dispatch.resolve(kernels, "adam_step") != "reference"
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+    raw_mu_dtype = _moment_dtype(mu_dtype)
+    use_kernel = dispatch.resolve(kernels, "adam_step") != "reference" and not nesterov
 
     def quantized(param, fmt) -> bool:
         return fmt is not None and param.ndim >= 1 and param.size >= min_size
@@ -121,10 +147,10 @@ def scale_by_fp8_adam(
     def init_fn(params):
         _check_float_leaves(params, "param")
 
-        def codes(p, fmt):
+        def codes(p, fmt, raw_dtype):
             if quantized(p, fmt):
                 return quant.param_layout(quant.zeros(p.shape, fmt, group_size, expansion))[0]
-            return jnp.zeros(p.shape, jnp.float32)
+            return jnp.zeros(p.shape, raw_dtype)
 
         def scales(p, dtype):  # per group; unused zeros where the moment stays fp32
             return jnp.zeros(quant.scales_shape(p.shape, group_size), dtype)
@@ -133,8 +159,8 @@ def scale_by_fp8_adam(
         k = (lambda: tree(scales, jnp.uint8)) if expansion else (lambda: None)
         return ScaleByFp8AdamState(
             count=jnp.zeros([], jnp.int32),
-            mu=tree(codes, mu_fmt),
-            nu=tree(codes, nu_fmt),
+            mu=tree(codes, mu_fmt, raw_mu_dtype),
+            nu=tree(codes, nu_fmt, jnp.float32),
             mu_amax=tree(scales, jnp.float32),
             nu_amax=tree(scales, jnp.float32),
             mu_k=k(),
@@ -155,13 +181,15 @@ def scale_by_fp8_adam(
             run_kernel = False  # "auto": the XLA path, which the partitioner shards
         count_inc = optax.safe_increment(state.count)
         coeffs = adam.coefficients(b1, b2, eps, eps_root, count_inc)
+        next_bc1 = adam.coefficients(b1, b2, eps, eps_root, optax.safe_increment(count_inc)).bc1
 
         def leaf(g, mu, nu):
             if run_kernel and adam_step.supported(mu, nu):
                 return adam_step.fp8_adam_moments(
                     g, mu, nu, coeffs, interpret=kernels == "interpret"
                 )
-            u, m, v = adam.stored_step(g.astype(jnp.float32), mu, nu, coeffs)
+            nesterov_bc1 = next_bc1 if nesterov else None
+            u, m, v = adam.stored_step(g.astype(jnp.float32), mu, nu, coeffs, nesterov_bc1)
             return u.astype(g.dtype), m, v
 
         flat_g, treedef = jax.tree.flatten(updates)
@@ -182,9 +210,11 @@ def fp8_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype=None,
     weight_decay: float = 1e-4,
     mask=None,
     *,
+    nesterov: bool = False,
     group_size: int | None = None,
     mu_format: str | None = "e4m3",
     nu_format: str | None = "e4m3",
@@ -203,9 +233,14 @@ def fp8_adamw(
     It is exactly ``optax.chain(scale_by_fp8_adam(...), optax.add_decayed_weights(weight_decay,
     mask), optax.scale_by_learning_rate(learning_rate))``.
 
+    ``optax.adamw``'s arguments are taken in its order (``learning_rate, b1, b2, eps,
+    eps_root, mu_dtype, weight_decay, mask``, keyword ``nesterov``), so a call to one is a
+    call to the other.
+
     Args:
       learning_rate: a float or an optax schedule.
       b1, b2, eps, eps_root: as in ``optax.adamw``.
+      mu_dtype, nesterov: see :func:`scale_by_fp8_adam`.
       weight_decay: decoupled weight decay.
       mask: pytree of bools (or a callable returning one) selecting the decayed params.
       group_size, mu_format, nu_format, expansion, min_size, kernels: see
@@ -234,6 +269,8 @@ def fp8_adamw(
             b2,
             eps,
             eps_root,
+            mu_dtype,
+            nesterov=nesterov,
             group_size=group_size,
             mu_format=mu_format,
             nu_format=nu_format,
