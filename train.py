@@ -102,7 +102,7 @@ def main(argv, allocator_set: dict) -> None:
     log(f"Allocator: {settings}" + (" (set by train.py; export them to choose)"
                                     if allocator_set else ""))  # fmt: skip
     try:
-        finetune.resolve_init_from(config)
+        from_weights = finetune.resolve_init_from(config)
         configs.validate(config)
         if config.compile_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
@@ -117,6 +117,8 @@ def main(argv, allocator_set: dict) -> None:
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"train.py: config.data: {e}")
     os.makedirs(config.workdir, exist_ok=True)
+    if from_weights:
+        log(f"config.model from config.init_from={config.init_from}: {'; '.join(from_weights)}")
     log(f"{run.model.family} {run.model.num_params() / 1e6:.2f}M params, "
         f"precision={config.precision}, optimizer={config.optimizer.name}, "
         f"{jax.device_count()} devices ({jax.process_count()} processes), "
@@ -172,12 +174,18 @@ def resume_point(run, ckpt) -> int | None:
                      f"{latest}); pass --config.resume=True to continue that run or choose "
                      "another --config.workdir")  # fmt: skip
         if os.path.exists(metrics_path):
+            with contextlib.suppress(OSError):  # the empty folder this run's Checkpointer made
+                os.rmdir(ckpt.directory)
             sys.exit(f"train.py: {metrics_path} holds an earlier run's metrics (no checkpoint "
                      "to resume); pass --config.resume=True to start over in this workdir "
                      "(they are kept aside) or choose another --config.workdir")  # fmt: skip
         return None
     if latest is None:
         return None
+    if config.resume_step and min(ckpt.all_steps()) > config.resume_step:
+        kept = ", ".join(map(str, ckpt.all_steps()))
+        sys.exit(f"train.py: config.resume_step={config.resume_step}: no checkpoint at or "
+                 f"before it in {ckpt.directory} (kept: {kept}); nothing was moved")  # fmt: skip
     saved = saved_config(ckpt, latest, config.workdir)
     if saved is not None:
         refused, changed = configs.resume_changes(saved, config)
@@ -214,17 +222,28 @@ def restore(run, ckpt, latest, writer):
                                            at_most=config.resume_step or None)  # fmt: skip
         except StateLayoutError as e:
             sys.exit(f"train.py: {e}")
+        if restored is None and config.resume_step and ckpt.all_steps():
+            sys.exit(f"train.py: no checkpoint at or before config.resume_step="
+                     f"{config.resume_step} restores (each was moved to "
+                     f"{ckpt.damaged_directory}); the newer ones are left in "
+                     f"{ckpt.directory}")  # fmt: skip
         if restored is None:
             sys.exit(f"train.py: no checkpoint in {ckpt.directory} restores; each was moved to "
                      f"{ckpt.damaged_directory}. Run again to start this workdir anew")  # fmt: skip
     if restored is None:
         started = time.perf_counter()
-        params, opt_state = run.create()
+        try:
+            params, opt_state = run.create()
+        except (ValueError, FileNotFoundError) as e:  # init_from's weights do not restore
+            sys.exit(f"train.py: config.init_from: {e}")
         log(f"Initialized in {time.perf_counter() - started:.0f} s")
         if is_main() and os.path.exists(writer.path):  # resume=True with nothing to resume
             log(f"Earlier metrics kept as {keep_aside(writer.path)}")
         return params, opt_state, 0
     start = restored.meta["step"]
+    if start > config.steps:
+        sys.exit(f"train.py: checkpoint {start} is past config.steps={config.steps}: raise "
+                 "--config.steps to train on, or roll back with --config.resume_step")  # fmt: skip
     if is_main():
         kept = [r for r in writer.read() if r["step"] <= start]
         with open(writer.path, "w") as f:
@@ -236,13 +255,21 @@ def restore(run, ckpt, latest, writer):
 @contextlib.contextmanager
 def stops_cleanly(ckpt):
     """Ends the run with one line (after the checkpoints being written are complete) when the
-    loop stops on non-finite steps or a non-finite state."""
+    loop stops on non-finite steps, a non-finite state, or the device's memory running out."""
     try:
         yield
     except (NonFiniteStepsError, NonFiniteStateError) as e:
         ckpt.wait()
         ckpt.close()
         sys.exit(f"train.py: {e}")
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        ckpt.wait()
+        ckpt.close()
+        first = str(e).strip().splitlines()[0][:200]
+        sys.exit(f"train.py: out of memory ({first}); --dry_run prints the memory plan and "
+                 "the largest batch that fits, --config.batch_size=-1 trains at it")  # fmt: skip
 
 
 def train(run, ckpt, latest, sampler, samples=None) -> None:

@@ -189,6 +189,60 @@ def largest_file(folder):
     return max(files, key=lambda p: p.stat().st_size)
 
 
+def saved_steps(tmp_path, steps, size=4096):
+    """A Checkpointer holding ``steps``, each params ``w = step`` (large enough for orbax to
+    write a data file that truncation damages)."""
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=10, async_save=False)
+    for step in steps:
+        ckpt.save(step, {"w": jnp.full(size, float(step))}, {"m": jnp.ones(8)}, {"seed": 0})
+    return ckpt, {"w": jnp.zeros(size)}, {"m": jnp.zeros(8)}
+
+
+def damage(ckpt, step):
+    with open(largest_file(os.path.join(ckpt.directory, str(step), "params")), "r+b") as f:
+        f.truncate(10)
+
+
+def test_a_rollback_with_nothing_to_restore_leaves_the_newer_checkpoints(tmp_path):
+    """restore_newest(at_most=...) moves the newer checkpoints aside only once an older one
+    restored: when none at or before the step does, the newer ones stay in place."""
+    ckpt, params, state = saved_steps(tmp_path, (1, 2, 3))
+    damage(ckpt, 1)
+    lines = []
+    assert ckpt.restore_newest(params, state, log=lines.append, at_most=1) is None
+    assert ckpt.all_steps() == [2, 3] and not (tmp_path / "checkpoints_superseded").exists()
+    assert len(lines) == 1 and lines[0].startswith("Checkpoint 1 skipped (")
+    restored = ckpt.restore_newest(params, state, log=lines.append, at_most=2)
+    assert restored.step == 2 and float(restored.params["w"][0]) == 2.0
+    assert lines[1:] == [f"Checkpoint 3 set aside (newer than config.resume_step=2); moved to "
+                         f"{tmp_path}/checkpoints_superseded/3"]  # fmt: skip
+
+
+def test_reading_params_walks_back_past_damage_and_moves_nothing(tmp_path):
+    """restore_params_newest (export, generation, init_from): the newest params that
+    restore, one line for each newer one that does not, nothing moved; an explicit step that
+    does not restore, or none restoring, is one ValueError line."""
+    ckpt, params, _ = saved_steps(tmp_path, (1, 2, 3))
+    damage(ckpt, 3)
+    lines = []
+    step, restored = ckpt.restore_params_newest(params, log=lines.append)
+    assert step == 2 and float(restored["w"][0]) == 2.0
+    assert len(lines) == 1 and lines[0].startswith(f"Checkpoint {ckpt.directory}/3 does not "
+                                                   "restore (")  # fmt: skip
+    assert "\n" not in lines[0] and ckpt.all_steps() == [1, 2, 3]
+    assert ckpt.restore_params_newest(params, step=1)[0] == 1
+    with pytest.raises(ValueError, match=r"checkpoints/3 does not restore \(") as e:
+        ckpt.restore_params_newest(params, step=3)
+    assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 7 \(kept: 1, 2, 3\)"):
+        ckpt.restore_params_newest(params, step=7)
+    damage(ckpt, 2)
+    damage(ckpt, 1)
+    with pytest.raises(ValueError, match=r"no checkpoint restores \(tried 3, 2, 1; the oldest"):
+        ckpt.restore_params_newest(params, log=lines.append)
+    assert ckpt.all_steps() == [1, 2, 3] and not (tmp_path / "checkpoints_damaged").exists()
+
+
 @pytest.mark.slow
 def test_resume_walks_back_past_damaged_checkpoints_and_stays_bit_identical(tmp_path, cache):
     """Checkpoints damaged four ways (a stray empty step folder, a truncated data file,
@@ -300,6 +354,27 @@ def assert_one_line_error(out, text):
     assert "First step" not in out.stdout  # nothing compiled or trained
 
 
+def test_data_too_short_for_seq_len_is_named_before_anything_is_made(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("hi")
+    out = train(tmp_path / "run", f"--config.data.source={path}")
+    assert_one_line_error(out, f"{path}: data too short: the train split has 1 tokens, "
+                               "seq_len 64 needs at least 66")  # fmt: skip
+    assert "Initialized" not in out.stdout and not (tmp_path / "run").exists()
+    path.write_text("x" * 1000)  # the train split is long enough, the eval split (50) not
+    out = train(tmp_path / "run", f"--config.data.source={path}")
+    assert_one_line_error(out, "data too short: the eval split has 50 tokens")
+
+
+def test_a_workdir_that_is_not_a_folder_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    out = train(tmp_path / "file")
+    assert_one_line_error(out, f"config.workdir={str(tmp_path / 'file')!r} exists and is not "
+                               "a folder")  # fmt: skip
+    out = train(tmp_path, cmd=command("") + ["--config.steps=2"])
+    assert_one_line_error(out, "config.workdir must name a folder, got ''")
+
+
 def test_token_ids_outside_the_vocabulary_are_named_when_loaded(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) % 256
     tokens[700] = 300
@@ -356,6 +431,17 @@ def test_resume_lists_changed_keys_and_refuses_shape_changes(tmp_path, cache):
     assert_one_line_error(out, "cannot resume")
     assert "model.dim: 64 -> 32" in out.stderr
     assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4]  # nothing moved
+    # Rolling back below the oldest kept checkpoint is refused before anything moves.
+    out = train(tmp_path, *base, "--config.resume=True", "--config.resume_step=1")
+    assert_one_line_error(out, "config.resume_step=1: no checkpoint at or before it in")
+    assert "(kept: 2, 4); nothing was moved" in out.stderr
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4]
+    assert not (tmp_path / "checkpoints_superseded").exists()
+    # A checkpoint past config.steps: refused, config.json and the metrics left as they are.
+    saved = {name: (tmp_path / name).read_text() for name in ("config.json", "metrics.jsonl")}
+    out = train(tmp_path, *base[1:], "--config.steps=3", "--config.resume=True")
+    assert_one_line_error(out, "checkpoint 4 is past config.steps=3: raise --config.steps")
+    assert saved == {name: (tmp_path / name).read_text() for name in saved}
     out = train(tmp_path, *base[1:], "--config.steps=6", "--config.resume=True",
                 "--config.batch_size=4", "--config.precision=bf16", cache=cache)  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -471,7 +472,9 @@ def save_pretrained(
     Args:
       params: ``nnx.State`` of the params, or a :class:`Llama`.
       config: their :class:`LlamaConfig`.
-      out: the folder (created; earlier ``model*.safetensors`` and index files in it removed).
+      out: the folder. Everything is written into a temporary folder beside it first and moved
+        in once complete (a failed write leaves ``out`` as it was); files already in ``out``
+        of the same names are replaced, earlier ``model*.safetensors`` and index files removed.
       dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` for the written tensors.
       base_config: a ``config.json`` (dict) whose other keys are kept (:func:`config_to_hf`).
       tokenizer_from: a folder whose tokenizer files (``TOKENIZER_FILES``) are copied.
@@ -504,11 +507,29 @@ def save_pretrained(
             size = 0
         plan[-1].append(p)
         size += nbytes
+    parent, name = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
+    os.mkdir(staging)  # beside out (one file system: the moves are renames), with the umask's mode
+    try:
+        files = _write_folder(staging, plan, names, flat, np_dtype[dtype], hf_config, st)
+        if tokenizer_from:
+            for file in TOKENIZER_FILES:
+                src = os.path.join(tokenizer_from, file)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(staging, file))
+                    files.append(file)
+        _move_in(staging, out, files)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return files
+
+
+def _write_folder(folder, plan, names, flat, np_dtype, hf_config, st) -> list[str]:
+    """Writes the planned shards (one in host memory at a time), the index and ``config.json``
+    into ``folder``; returns the file names."""
     n = len(plan)
-    os.makedirs(out, exist_ok=True)
-    for file in os.listdir(out):
-        if file.startswith("model") and file.endswith((".safetensors", INDEX)):
-            os.remove(os.path.join(out, file))
+    itemsize = np.dtype(np_dtype).itemsize
     files, weight_map = [], {}
     for i, paths in enumerate(plan, 1):
         file = SINGLE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
@@ -516,24 +537,31 @@ def save_pretrained(
         for p in paths:
             name, _, transposed = names[p]
             x = np.asarray(jax.device_get(flat[p]))
-            tensors[name] = np.ascontiguousarray(x.T if transposed else x).astype(np_dtype[dtype])
-        st.numpy.save_file(tensors, os.path.join(out, file), {"format": "pt"})
+            tensors[name] = np.ascontiguousarray(x.T if transposed else x).astype(np_dtype)
+        st.numpy.save_file(tensors, os.path.join(folder, file), {"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         files.append(file)
     if n > 1:
         total = sum(int(np.prod(names[p][1])) * itemsize for p in names)
-        with open(os.path.join(out, INDEX), "w") as f:
+        with open(os.path.join(folder, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         files.append(INDEX)
-    with open(os.path.join(out, CONFIG), "w") as f:
+    with open(os.path.join(folder, CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
     files.append(CONFIG)
-    if tokenizer_from:
-        for name in TOKENIZER_FILES:
-            src = os.path.join(tokenizer_from, name)
-            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(
-                os.path.join(out, name)
-            ):
-                shutil.copyfile(src, os.path.join(out, name))
-                files.append(name)
     return files
+
+
+def _move_in(staging: str, out: str, files: list[str]) -> None:
+    """Puts the complete folder ``staging`` at ``out``: a rename when ``out`` does not exist;
+    else each file replaces its namesake (one rename each), and only then are the earlier
+    weight files the new ones do not replace removed, so ``out`` always holds one whole set."""
+    if not os.path.exists(out):
+        os.rename(staging, out)
+        return
+    for file in files:
+        os.replace(os.path.join(staging, file), os.path.join(out, file))
+    for file in os.listdir(out):
+        stale = file.startswith("model") and file.endswith((".safetensors", INDEX))
+        if stale and file not in files:
+            os.remove(os.path.join(out, file))

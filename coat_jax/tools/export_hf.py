@@ -10,7 +10,11 @@ ids, context length) are kept and its tokenizer files copied; else the run's
 Usage::
 
   python -m coat_jax.tools.export_hf --workdir runs/finetune --out /path/to/out \\
-      [--step N] [--dtype bfloat16|float16|float32]
+      [--step N] [--dtype bfloat16|float16|float32] [--overwrite]
+
+``--out`` must be new or empty (``--overwrite``: replace what a non-empty one holds); it may
+not be the run's folder, another run, or the Hugging Face folder the run started from.
+Everything is written beside ``--out`` first and moved in once complete.
 """
 
 from __future__ import annotations
@@ -29,25 +33,66 @@ from coat_jax.training import configs
 from coat_jax.training.checkpoint import Checkpointer
 
 
-def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> list:
-    """Writes ``workdir``'s checkpoint ``step`` (default: latest) to ``out``; returns the files.
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_out(out: str, workdir: str, init_from: str, overwrite: bool) -> None:
+    """Refuses an ``out`` that would lose something: the run's own folder (or a folder in
+    it), the Hugging Face folder the run started from, any other ``train.py`` run, a file, or
+    (without ``overwrite``) a folder that already holds files.
+
+    Raises:
+      ValueError: naming ``out`` and what it holds.
+    """
+    real_out, real_run = os.path.realpath(out), os.path.realpath(workdir)
+    if real_out == real_run or real_out.startswith(real_run + os.sep):
+        raise ValueError(f"--out {out}: inside the run's own folder {workdir}; choose another")
+    if init_from and _same_folder(out, init_from):
+        raise ValueError(f"--out {out}: the folder the run started from (init_from); writing "
+                         "there would replace the base model's weights")  # fmt: skip
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    if os.path.isdir(os.path.join(out, "checkpoints")):
+        raise ValueError(f"--out {out}: a train.py run (checkpoints/); choose another folder")
+    held = sorted(os.listdir(out))
+    if held and not overwrite:
+        listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(f"--out {out}: not empty ({listed}); pass --overwrite to replace its "
+                         "weights, config.json and tokenizer files, or choose another")  # fmt: skip
+
+
+def export(
+    workdir: str,
+    out: str,
+    step: int | None = None,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    log=print,
+) -> list:
+    """Writes ``workdir``'s checkpoint ``step`` (default: the newest that restores) to ``out``;
+    returns the files. ``out`` is checked (:func:`check_out`) before anything is read.
 
     Raises:
       FileNotFoundError: no run config or no checkpoint.
+      ValueError: an ``out`` that would lose something, or no checkpoint restores.
     """
     run_config = os.path.join(workdir, "config.json")
     if not os.path.isfile(run_config):
         raise FileNotFoundError(f"{run_config}: not found (is --workdir a train.py run?)")
     with open(run_config) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    check_out(out, workdir, config.get("init_from", ""), overwrite)
     model_config = configs.llama_config(config)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(checkpoints):  # checked first: a Checkpointer would create it
+        raise FileNotFoundError(f"{checkpoints}: no such folder")
+    ckpt = Checkpointer(checkpoints)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None or step not in ckpt.all_steps():
-            raise FileNotFoundError(f"{ckpt.directory}: no checkpoint {step or ''}".rstrip())
         abstract = nnx.state(nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0))))
-        params = ckpt.restore_params(step, abstract)
+        step, params = ckpt.restore_params_newest(abstract, log=log, step=step)
     finally:
         ckpt.close()
     source = config.get("init_from", "")
@@ -66,14 +111,20 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    )
     parser.add_argument("--workdir", required=True, help="the train.py run's workdir")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="checkpoint step (default: the newest that restores)")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of a non-empty --out")  # fmt: skip
     args = parser.parse_args(argv)
+    warn = lambda message: print(message, file=sys.stderr, flush=True)
     try:
-        files = export(args.workdir, args.out, args.step, args.dtype)
+        files = export(args.workdir, args.out, args.step, args.dtype, args.overwrite, log=warn)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"export_hf: {e}")
     print(f"Wrote {args.out}: {', '.join(files)}")

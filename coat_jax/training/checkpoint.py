@@ -13,9 +13,11 @@ restore (a truncated or garbage file, a missing item, an empty step folder).
 :meth:`Checkpointer.restore_newest` walks back from the newest step to the newest one that
 restores and is finite, and moves each one it passes into ``<directory>_damaged/`` (nothing a
 user saved is deleted), saying why in one line. Rolling back past intact checkpoints (after a
-divergence) moves the newer ones into ``<directory>_superseded/``. A checkpoint whose fp8_adamw
-state has an older layout (``meta["opt_state_layout"]``, absent before layout 2) is refused
-with :class:`StateLayoutError` and left where it is.
+divergence) moves the newer ones into ``<directory>_superseded/`` once an older one restored.
+Tools that only read a run's weights (:meth:`Checkpointer.restore_params_newest`: export,
+generation, fine-tuning from a run) walk back the same way but move nothing. A checkpoint
+whose fp8_adamw state has an older layout (``meta["opt_state_layout"]``, absent before
+layout 2) is refused with :class:`StateLayoutError` and left where it is.
 """
 
 from __future__ import annotations
@@ -194,19 +196,17 @@ class Checkpointer:
         """The newest checkpoint that restores into the given trees and holds only finite
         values, as a :class:`Restored`; ``None`` when none does.
 
-        Each newer one that fails (orbax cannot read it, or it holds NaN / Inf) is moved to
+        Each one that fails (orbax cannot read it, or it holds NaN / Inf) is moved to
         :attr:`damaged_directory` and reported through ``log`` in one line. ``at_most``: roll
-        back to this step or before it (a run that diverged); the newer checkpoints are moved
-        to :attr:`superseded_directory`, each said in one line.
+        back to this step or before it (a run that diverged); once one of those restores, the
+        newer checkpoints are moved to :attr:`superseded_directory`, each said in one line
+        (when none restores they stay where they are).
         """
         skipped = []
         check_layout = _holds_fp8_adam(opt_state_like)
-        for step in sorted(self.all_steps(), reverse=True):
-            if at_most is not None and step > at_most:
-                moved = self._move_aside(step, self.superseded_directory)
-                log(f"Checkpoint {step} set aside (newer than config.resume_step={at_most}); "
-                    f"moved to {moved}")  # fmt: skip
-                continue
+        steps = sorted(self.all_steps(), reverse=True)
+        newer = [s for s in steps if at_most is not None and s > at_most]
+        for step in steps[len(newer) :]:
             if check_layout:
                 self.check_layout(step)
             try:
@@ -216,12 +216,48 @@ class Checkpointer:
                 reason = _first_line(e)
             else:
                 if all_finite(params, opt_state):
+                    for later in newer:
+                        moved = self._move_aside(later, self.superseded_directory)
+                        log(f"Checkpoint {later} set aside (newer than config.resume_step="
+                            f"{at_most}); moved to {moved}")  # fmt: skip
                     return Restored(step, params, opt_state, meta, tuple(skipped))
                 reason = "holds NaN or Inf"
             moved = self._move_aside(step, self.damaged_directory)
             log(f"Checkpoint {step} skipped ({reason}); moved to {moved}")
             skipped.append((step, reason, moved))
         return None
+
+    def restore_params_newest(self, params_like, log=print, step: int | None = None):
+        """``(step, params)``: the params of checkpoint ``step``, or, when ``step`` is None, of
+        the newest checkpoint whose params restore (each newer one that does not is said in
+        one line through ``log``). Read-only: nothing is moved (a tool reading another run's
+        checkpoints leaves them as they are).
+
+        Raises:
+          FileNotFoundError: no checkpoint (or no checkpoint ``step``).
+          ValueError: ``step`` does not restore, or none does (one line naming the folder).
+        """
+        steps = sorted(self.all_steps(), reverse=True)
+        if step is not None and step not in steps:
+            kept = ", ".join(map(str, sorted(steps))) or "none"
+            raise FileNotFoundError(f"{self.directory}: no checkpoint {step} (kept: {kept})")
+        if not steps:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint")
+        tried = []
+        for candidate in [step] if step is not None else steps:
+            try:
+                return candidate, self.restore_params(candidate, params_like)
+            except Exception as e:  # noqa: BLE001 - an unreadable checkpoint: say it, go back
+                _quiet_failed_reads(self._step_folder(candidate))
+                reason = _first_line(e)
+            tried.append(str(candidate))
+            if step is None and candidate != steps[-1]:
+                log(f"Checkpoint {self.directory}/{candidate} does not restore ({reason}); "
+                    "trying the one before it")  # fmt: skip
+        if step is not None:
+            raise ValueError(f"checkpoint {self.directory}/{step} does not restore ({reason})")
+        raise ValueError(f"{self.directory}: no checkpoint restores (tried {', '.join(tried)}; "
+                         f"the oldest: {reason})")  # fmt: skip
 
     def _step_folder(self, step: int) -> str:
         """``<directory>/<step>/``, with the separator (so step 2 does not name step 20)."""

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import os
 
 import ml_collections
 
@@ -287,9 +288,16 @@ def _get(c, key):
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad key."""
+    wd = c.workdir
+    if not isinstance(wd, str) or not wd.strip():
+        raise ValueError(f"config.workdir must name a folder, got {wd!r}")
+    if os.path.exists(wd) and not os.path.isdir(wd):
+        raise ValueError(f"config.workdir={wd!r} exists and is not a folder")
     rs = c.resume_step
     if isinstance(rs, bool) or not isinstance(rs, int) or rs < 0:
         raise ValueError(f"config.resume_step must be an int >= 0 (0 = the newest), got {rs!r}")
+    if rs and isinstance(c.steps, int) and rs > c.steps:
+        raise ValueError(f"config.resume_step={rs} is past config.steps={c.steps}")
     sn = c.skip_nonfinite
     if isinstance(sn, bool) or not isinstance(sn, int) or sn < 0:
         raise ValueError(f"config.skip_nonfinite must be an int >= 0 (0 = stop at the first "

@@ -195,6 +195,26 @@ def _load_bin(path: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def text_splits(tokens, seq_len: int, eval_fraction: float) -> dict:
+    """``{"train": ..., "eval": ...}``: the stream cut at ``1 - eval_fraction`` of its length.
+
+    Raises:
+      ValueError: ``eval_fraction`` outside (0, 1), or a split shorter than one window
+        (``seq_len + 2`` tokens).
+    """
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    split = int(len(tokens) * (1 - eval_fraction))
+    splits = {"train": tokens[:split], "eval": tokens[split:]}
+    for name, part in splits.items():
+        if len(part) < seq_len + 2:
+            raise ValueError(
+                f"data too short: the {name} split has {len(part)} tokens, "
+                f"seq_len {seq_len} needs at least {seq_len + 2}"
+            )
+    return splits
+
+
 class BatchSampler:
     """Deterministic random windows over a token array, split into train and eval.
 
@@ -207,16 +227,7 @@ class BatchSampler:
     """
 
     def __init__(self, tokens, seq_len: int, batch_size: int, seed: int, eval_fraction=0.05):
-        if not 0 < eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        split = int(len(tokens) * (1 - eval_fraction))
-        self.splits = {"train": tokens[:split], "eval": tokens[split:]}
-        for name, part in self.splits.items():
-            if len(part) < seq_len + 2:
-                raise ValueError(
-                    f"data too short: the {name} split has {len(part)} tokens, "
-                    f"seq_len {seq_len} needs at least {seq_len + 2}"
-                )
+        self.splits = text_splits(tokens, seq_len, eval_fraction)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
 
     def batch(self, index: int, split: str = "train", rows=None) -> np.ndarray:
@@ -316,7 +327,9 @@ class ExampleSampler:
 def load_corpus(c, tokenizer):
     """The data a training config ``c`` names, loaded and checked (before anything compiles):
     the tokens of ``c.data.source`` (``c.data.format="text"``) or its prompt/response
-    ``(tokens, mask)`` (``"prompt_response"``), every id inside ``c.model.vocab_size``.
+    ``(tokens, mask)`` (``"prompt_response"``), every id inside ``c.model.vocab_size`` and
+    each split long enough for ``c.seq_len`` (what the samplers would refuse after the model
+    was made).
 
     Raises:
       FileNotFoundError, ValueError: naming the file (and line) that cannot be used.
@@ -325,9 +338,17 @@ def load_corpus(c, tokenizer):
     if d.format == "prompt_response":
         corpus = load_examples(d.source, tokenizer, c.seq_len, d.prompt_key, d.response_key)
         tokens = corpus[0].reshape(-1)
+        if len(corpus[0]) < 2:
+            count = len(corpus[0])
+            raise ValueError(f"{d.source}: data too short: {count} example(s), need at least 2")
     else:
         corpus = tokens = load_tokens(d.source, tokenizer, d.text_key)
     check_token_range(tokens, c.model.vocab_size, d.source)
+    if d.format != "prompt_response":
+        try:
+            text_splits(tokens, c.seq_len, d.eval_fraction)
+        except ValueError as e:
+            raise ValueError(f"{d.source}: {e}") from None
     return corpus
 
 

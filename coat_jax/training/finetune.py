@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -62,14 +64,16 @@ def read_run_config(workdir: str, ckpt: Checkpointer | None = None, step: int | 
     return saved
 
 
-def resolve_init_from(c: ml_collections.ConfigDict) -> None:
-    """Fills ``c.model`` and an ``"auto"`` ``c.data.tokenizer`` from ``c.init_from``, in place.
+def resolve_init_from(c: ml_collections.ConfigDict) -> list[str]:
+    """Fills ``c.model`` and an ``"auto"`` ``c.data.tokenizer`` from ``c.init_from``, in place;
+    returns the ``c.model`` keys this changed, as ``"key: before -> after"`` (a value set on
+    the command line is replaced too: the weights decide the model).
 
     Raises:
       FileNotFoundError, ValueError: naming the file and key (``init_from`` is neither kind,
         or its ``config.json`` is unsupported).
     """
-    tokenizer = "bytes"
+    tokenizer, changed = "bytes", []
     if c.init_from:
         path = c.init_from
         if not os.path.isdir(path):
@@ -90,14 +94,29 @@ def resolve_init_from(c: ml_collections.ConfigDict) -> None:
             )
         fields = {k: getattr(model, k) for k in c.model}
         fields["n_kv_heads"] = model.kv_heads
+        changed = [f"{k}: {c.model[k]!r} -> {v!r}" for k, v in fields.items() if c.model[k] != v]
         c.model.update(fields)
     if c.data.tokenizer == "auto":
         c.data.tokenizer = tokenizer
+    return changed
 
 
-def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardings=None):
+def _warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardings=None,
+                   log=_warn):  # fmt: skip
     """The params to start from: ``c.init_from``'s weights, laid out like ``params_like``
-    (abstract is fine) and placed with ``shardings`` (a tree like the params, optional)."""
+    (abstract is fine) and placed with ``shardings`` (a tree like the params, optional). From
+    a run: its newest checkpoint whose params restore (each newer one that does not is said
+    through ``log``; nothing in that run is moved).
+
+    Raises:
+      FileNotFoundError: the run has no checkpoint.
+      ValueError: none of its checkpoints restores (one line).
+    """
     path = c.init_from
     workdir, checkpoints = run_dirs(path)
     if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
@@ -107,11 +126,8 @@ def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardin
         return params
     ckpt = Checkpointer(checkpoints)
     try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{checkpoints}: no checkpoint to start from")
         if shardings is not None:
             params_like = parallel.with_shardings(params_like, shardings)
-        return ckpt.restore_params(step, params_like)
+        return ckpt.restore_params_newest(params_like, log=log)[1]
     finally:
         ckpt.close()
