@@ -307,7 +307,8 @@ def test_finetune_end_to_end(tmp_path):
 
     c = base_config()
     c.init_from = str(run)
-    finetune.resolve_init_from(c)
+    c.model.dim = 32  # replaced by the run's, and said so
+    assert "dim: 32 -> 64" in finetune.resolve_init_from(c)
     assert c.model.dim == 64 and c.data.tokenizer == str(hf_dir / "tokenizer.json")
     again = finetune.initial_params(c, abstract)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):

@@ -3,6 +3,7 @@ non-finite checkpoints, bad data, misspelt keys, resumes with a changed config, 
 files. Each test drives a real train.py subprocess (or the library piece it relies on) and
 checks the behaviour, not only that no exception escaped."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -455,6 +456,29 @@ def test_an_earlier_runs_metrics_are_not_overwritten(tmp_path):
     out = train(tmp_path, "--config.steps=2", "--config.optimizer.warmup_steps=1")
     assert_one_line_error(out, "holds an earlier run's metrics")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 10, "train_loss": 1.0}\n'
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no empty checkpoints/ left
+
+
+def test_out_of_memory_in_the_loop_is_one_line_after_the_checkpoints_are_written():
+    """train.py's loop guard: RESOURCE_EXHAUSTED ends the run with one line (what to try next)
+    once the checkpoints being written are complete; any other runtime error propagates."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls = []
+    ckpt = type("Ckpt", (), {"wait": lambda self: calls.append("wait"),
+                             "close": lambda self: calls.append("close")})()  # fmt: skip
+    with pytest.raises(SystemExit) as e, script.stops_cleanly(ckpt):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4208 "
+                                         "bytes.\nthe allocator's report")  # fmt: skip
+    assert str(e.value) == (
+        "train.py: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 4208 bytes.); "
+        "--dry_run prints the memory plan and the largest batch that fits, "
+        "--config.batch_size=-1 trains at it"
+    )
+    assert calls == ["wait", "close"]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"), script.stops_cleanly(ckpt):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
 
 @pytest.mark.slow
