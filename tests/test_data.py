@@ -119,3 +119,35 @@ def test_stdlib_all_is_the_whole_tree_and_contains_stdlib():
     first_module = top[:2000]
     assert first_module in tree
     assert data.load_tokens("stdlib_all")[:1000].tolist() == list(tree.encode()[:1000])
+
+
+def _byte_level_tokenizer_folder(folder):
+    for name, content in data.ByteTokenizer.hf_files().items():
+        (folder / name).write_text(json.dumps(content, ensure_ascii=False))
+    return folder
+
+
+_TEXTS = ["", " lead and trail ", "tabs\tnew\nlines\r\n", "héllo wörld", "日本語 🙂", "\x00\x7f"]
+
+
+def test_byte_tokenizer_hf_files_encode_as_bytes(tmp_path):
+    """The exported byte-level tokenizer.json: ``tokenizers`` and ``transformers`` give each
+    text's UTF-8 bytes as ids (``ByteTokenizer.encode``) and decode them back, spaces kept."""
+    pytest.importorskip("tokenizers")
+    folder = _byte_level_tokenizer_folder(tmp_path)
+    vocab = data.ByteTokenizer.hf_files()["tokenizer.json"]["model"]["vocab"]
+    assert sorted(vocab.values()) == list(range(256)) and all(len(c) == 1 for c in vocab)
+    ours = data.ByteTokenizer()
+    theirs = data.load_tokenizer(str(folder))
+    assert theirs.vocab_size == 256
+    rng = np.random.default_rng()
+    random_text = "".join(chr(c) for c in rng.integers(1, 0x3000, 200) if not 0xD800 <= c < 0xE000)
+    for text in [*_TEXTS, random_text]:
+        ids = theirs.encode(text)
+        np.testing.assert_array_equal(ids, ours.encode(text), err_msg=repr(text))
+        assert theirs.decode(ids) == text == ours.decode(ids)
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for text in [*_TEXTS, random_text]:
+        assert auto(text)["input_ids"] == ours.encode(text).tolist(), repr(text)
+        assert auto.decode(ours.encode(text)) == text

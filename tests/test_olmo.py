@@ -351,6 +351,7 @@ def test_train_from_an_olmo_folder_and_export(good_olmo, tmp_path):
 
     from coat_jax.tools import export_hf
     from coat_jax.training.checkpoint import Checkpointer
+    from coat_jax.training.generate import read_source
 
     run, out = tmp_path / "run", tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/llama_tiny.py"),
@@ -364,7 +365,13 @@ def test_train_from_an_olmo_folder_and_export(good_olmo, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = json.loads((run / "config.json").read_text())["model"]
     assert (saved["norm"], saved["clip_qkv"]) == ("layer", 0.5)
-    export_hf.export(str(run), str(out), dtype="float32")
+    files = export_hf.export(str(run), str(out), dtype="float32")
+    # the run read UTF-8 bytes (the OLMo folder has no tokenizer): the export says so
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(files)
+    text = "def f(x):\n    return x  # héllo"
+    tokenizer = read_source(str(out)).tokenizer
+    assert tokenizer.encode(text).tolist() == list(text.encode()) and tokenizer.decode(
+        tokenizer.encode(text)) == text  # fmt: skip
     exported = transformers.OlmoForCausalLM.from_pretrained(out, dtype=torch.float32)
     config, graph, abstract = hf_llama.load_params(str(out), hf_llama.read_config(str(out), "bf16"))
     ckpt = Checkpointer(str(run / "checkpoints"))

@@ -465,6 +465,7 @@ def save_pretrained(
     dtype: str = "bfloat16",
     base_config: dict | None = None,
     tokenizer_from: str | None = None,
+    tokenizer_files: dict[str, dict] | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
     """Writes ``params`` (a :class:`Llama`'s param state, or the model) as an HF folder.
@@ -478,6 +479,8 @@ def save_pretrained(
       dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` for the written tensors.
       base_config: a ``config.json`` (dict) whose other keys are kept (:func:`config_to_hf`).
       tokenizer_from: a folder whose tokenizer files (``TOKENIZER_FILES``) are copied.
+      tokenizer_files: tokenizer files to write instead (name -> JSON object), e.g.
+        :meth:`coat_jax.training.data.ByteTokenizer.hf_files`.
       max_shard_bytes: above this, tensors go to ``model-0000i-of-0000n.safetensors`` files
         listed in ``model.safetensors.index.json``; one shard is in host memory at a time.
 
@@ -519,6 +522,10 @@ def save_pretrained(
                 if os.path.isfile(src):
                     shutil.copyfile(src, os.path.join(staging, file))
                     files.append(file)
+        for file, content in (tokenizer_files or {}).items():
+            with open(os.path.join(staging, file), "w") as f:
+                json.dump(content, f, indent=2, ensure_ascii=False)
+            files.append(file)
         _move_in(staging, out, files)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -4,8 +4,9 @@
 Reads the run's ``config.json`` and the params of its latest (or ``--step``) checkpoint and
 writes them with :func:`coat_jax.models.hf_llama.save_pretrained`. When the run started from a
 Hugging Face folder (``init_from``) that still exists, its other ``config.json`` keys (token
-ids, context length) are kept and its tokenizer files copied; else the run's
-``data.tokenizer`` file, if any, is copied.
+ids, context length) are kept. The tokenizer files of the run's ``data.tokenizer`` are copied
+from its folder (for a run that read UTF-8 bytes, a byte-level ``tokenizer.json`` whose
+token ``b`` is byte ``b`` is written: :meth:`coat_jax.training.data.ByteTokenizer.hf_files`).
 
 Usage::
 
@@ -29,7 +30,7 @@ from flax import nnx
 
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import Llama
-from coat_jax.training import configs
+from coat_jax.training import configs, data
 from coat_jax.training.checkpoint import Checkpointer
 
 
@@ -96,18 +97,22 @@ def export(
     finally:
         ckpt.close()
     source = config.get("init_from", "")
-    base, tokenizer_from = None, None
-    if source and hf_llama.is_hf_folder(source):
+    base, tokenizer_from, tokenizer_files = None, None, None
+    from_hf = bool(source) and hf_llama.is_hf_folder(source)
+    if from_hf:
         with open(os.path.join(source, "config.json")) as f:
             base = json.load(f)
+    tokenizer = config.data.tokenizer
+    if tokenizer not in ("", "bytes", "auto"):  # the tokenizer.json the run read, if still there
+        tokenizer_from = os.path.dirname(tokenizer) if os.path.isfile(tokenizer) else None
+    elif from_hf and tokenizer == "auto":  # a run whose config predates resolving "auto"
         tokenizer_from = source
-    elif config.data.tokenizer not in ("", "bytes", "auto") and os.path.isfile(
-        config.data.tokenizer
-    ):
-        tokenizer_from = os.path.dirname(config.data.tokenizer)
+    else:  # the run read UTF-8 bytes: say so in the folder, generation needs it
+        tokenizer_files = data.ByteTokenizer.hf_files()
     return hf_llama.save_pretrained(
-        params, model_config, out, dtype=dtype, base_config=base, tokenizer_from=tokenizer_from
-    )
+        params, model_config, out, dtype=dtype, base_config=base, tokenizer_from=tokenizer_from,
+        tokenizer_files=tokenizer_files,
+    )  # fmt: skip
 
 
 def main(argv=None) -> int:

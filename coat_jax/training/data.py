@@ -62,6 +62,44 @@ class ByteTokenizer:
     def decode(self, tokens) -> str:
         return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def hf_files() -> dict[str, dict]:
+        """This tokenizer as Hugging Face files (name -> JSON object), for an exported model.
+
+        ``tokenizer.json`` is a byte-level BPE without merges whose token ``b`` is byte ``b``:
+        the ``ByteLevel`` pre-tokenizer maps each byte to one printable character (GPT-2's
+        table: printable Latin-1 bytes are themselves, the other 68 take the characters from
+        U+0100 on, in byte order), so ``tokenizers`` and ``transformers`` encode a text to its
+        UTF-8 bytes, as :meth:`encode` does, and decode them back.
+        """
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                      "use_regex": False}  # fmt: skip
+        model = {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                 "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                 "byte_fallback": False, "ignore_merges": False,
+                 "vocab": vocab, "merges": []}  # fmt: skip
+        tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                     "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+                     "decoder": byte_level, "model": model}  # fmt: skip
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "clean_up_tokenization_spaces": False}  # fmt: skip
+        return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def _byte_level_chars() -> list[str]:
+    """The character ``ByteLevel`` writes for each byte 0..255 (GPT-2's reversible table)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}  # fmt: skip
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
 
 class HFTokenizer:
     """A local Hugging Face ``tokenizer.json`` (needs the ``tokenizers`` package).
