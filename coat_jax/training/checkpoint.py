@@ -70,6 +70,7 @@ def _abstract(tree):
 
 _READ_ERRORS = ("Encountered error while reading", "Event loop is closed")
 _failed_folders: set[str] = set()
+_echo_filters_installed = False
 
 
 def _is_read_echo(error) -> bool:
@@ -83,11 +84,20 @@ def _is_read_echo(error) -> bool:
 def _quiet_failed_reads(folder: str) -> None:
     """Silences the echoes of a failed restore of ``folder``, once it has been reported in one
     line: the reads orbax still had in flight fail later, in other threads and at garbage
-    collection, each printing a screenful (the TensorStore spec of every array). Only
-    exceptions :func:`_is_read_echo` recognises are dropped; everything else prints as before."""
+    collection, each printing a screenful (the TensorStore spec of every array)."""
     _failed_folders.add(folder)
-    if len(_failed_folders) > 1:
-        return  # the hooks are in place
+    _drop_read_echoes()
+
+
+def _drop_read_echoes() -> None:
+    """Installs (once) the hooks that drop what :func:`_is_read_echo` recognises; everything
+    else prints as before. In place before a restore starts: the reads a failing restore
+    abandons can complete, and their callbacks fail on asyncio's closed loop ("Event loop is
+    closed", through ``sys.unraisablehook``), before the restore itself has raised."""
+    global _echo_filters_installed
+    if _echo_filters_installed:
+        return
+    _echo_filters_installed = True
     previous = sys.unraisablehook
 
     def unraisable(u):
@@ -177,6 +187,7 @@ class Checkpointer:
 
     def restore(self, step: int, params_like, opt_state_like):
         """``(params, opt_state, meta)`` of ``step``, laid out like the given (abstract) trees."""
+        _drop_read_echoes()
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -300,6 +311,7 @@ class Checkpointer:
     def restore_params(self, step: int, params_like):
         """Only the params of ``step`` (to fine-tune from a run, or to export it)."""
         args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_like)))
+        _drop_read_echoes()
         return self._manager.restore(step, args=args).params
 
     def wait(self) -> None:
