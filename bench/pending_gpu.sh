@@ -6,9 +6,9 @@
 # 0.25-2; use an absolute PYTHONPATH, /tmp/site:$PWD: snippet tests run from other directories):
 # on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300 TFLOP/s: the block-scaled kernel since its
 # tile-loop refactor of 2026-12-05 has run only on an H100, 1,209), then PART=51 (issue 24's 7B
-# table, with the LM head change and the fused kernels under auto); on either GPU, PART=54 (114M
-# by op with the timeline: how much of COAT's 0.80x is launches) and PART=52 (the block with
-# every FP8 GEMM on Pallas). When nvidia-h200-x2 is lent: the fused kernels and the Pallas GEMM
+# table, with the LM head change and the fused kernels under auto); on either GPU, PART=52 (the
+# block with every FP8 GEMM on Pallas). PART=54 ran on an H100 on 2026-12-07 (file names there
+# say h200: rename them to the card that ran them). When nvidia-h200-x2 is lent: the fused kernels and the Pallas GEMM
 # on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search
 # --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
 #
