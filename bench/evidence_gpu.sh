@@ -15,19 +15,19 @@ source "$(dirname "$0")/gpu_env.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 E2E=(bench/e2e.py --model llama2_7b --time_budget_s "${E2E_BUDGET:-420}"
      --policies "${POLICIES:-bf16+adamw,coat+fp8_adamw,coat+fp8_adamw+bf16_grads}"
-     --json "$OUT/e2e_llama2_7b_h200_$DAY.json")
+     --json "$OUT/e2e_llama2_7b_${CARD}_$DAY.json")
 FID=(bench/fidelity.py --chunk_steps 2000 --time_budget_s 480
      --baseline bf16+adamw
      --runs "bf16+adamw;coat+fp8_adamw;coat+fp8_adamw, no expansion;coat+fp8_adamw, bf16 gradients"
-     --json "$OUT/fidelity_llama_114m_h200_$DAY.json"
-     --png "$OUT/fidelity_llama_114m_h200_$DAY.png")
+     --json "$OUT/fidelity_llama_114m_${CARD}_$DAY.json"
+     --png "$OUT/fidelity_llama_114m_${CARD}_$DAY.png")
 if [ "$GPUS" -ge 2 ]; then
-  (CUDA_VISIBLE_DEVICES=0 timeout 560 $PY "${E2E[@]}" > "$OUT/e2e_h200_$DAY.log" 2>&1) &
-  (CUDA_VISIBLE_DEVICES=1 timeout 560 $PY "${FID[@]}" > "$OUT/fidelity_h200_$DAY.log" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=0 timeout 560 $PY "${E2E[@]}" > "$OUT/e2e_${CARD}_$DAY.log" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 $PY "${FID[@]}" > "$OUT/fidelity_${CARD}_$DAY.log" 2>&1) &
   wait
 else
   E2E[4]=240; FID[4]=240  # the two --time_budget_s values: half each
-  timeout 280 $PY "${E2E[@]}" > "$OUT/e2e_h200_$DAY.log" 2>&1
-  timeout 280 $PY "${FID[@]}" > "$OUT/fidelity_h200_$DAY.log" 2>&1
+  timeout 280 $PY "${E2E[@]}" > "$OUT/e2e_${CARD}_$DAY.log" 2>&1
+  timeout 280 $PY "${FID[@]}" > "$OUT/fidelity_${CARD}_$DAY.log" 2>&1
 fi
-tail -12 "$OUT/e2e_h200_$DAY.log"; tail -12 "$OUT/fidelity_h200_$DAY.log"
+tail -12 "$OUT/e2e_${CARD}_$DAY.log"; tail -12 "$OUT/fidelity_${CARD}_$DAY.log"

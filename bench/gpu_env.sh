@@ -7,3 +7,8 @@ DAY=$(date +%F)
 PY=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+# the card in result names ("NVIDIA H100 80GB HBM3" -> h100), so a call that got an H100 where
+# an H200 was asked for says so in every file it writes
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | awk '{print tolower($2)}')
+CARD=${CARD:-gpu}

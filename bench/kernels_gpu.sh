@@ -10,16 +10,16 @@ source "$(dirname "$0")/gpu_env.sh"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 echo "== kernels vs XLA (8192 x 8192)"
-timeout 90 $PY bench/quantize_kernels.py --iters 10 --inner 10 --json "$OUT/kernels_h200_$DAY.json"
+timeout 90 $PY bench/quantize_kernels.py --iters 10 --inner 10 --json "$OUT/kernels_${CARD}_$DAY.json"
 
 echo "== optimizer step, 1.01B params"
-timeout 90 $PY bench/optimizer.py --steps 10 --json "$OUT/optimizer_h200_$DAY.json"
+timeout 90 $PY bench/optimizer.py --steps 10 --json "$OUT/optimizer_${CARD}_$DAY.json"
 
 echo "== compiled kernels vs references (pytest -k compiled)"
 timeout 200 $PY -m pytest -q -p no:cacheprovider -rfE --tb=short -k compiled \
   tests/test_pallas_adam_step.py tests/test_pallas_adam_update.py tests/test_pallas_quantize.py \
   tests/test_pallas_quantize_mgpu.py \
-  2>&1 | tail -25 | tee "$OUT/kernel_tests_h200_$DAY.txt"
+  2>&1 | tail -25 | tee "$OUT/kernel_tests_${CARD}_$DAY.txt"
 
 echo "== tuning sweep (4096 x 11008 fp32)"
-timeout 100 $PY bench/kernel_sweep.py --iters 5 --inner 10 --json "$OUT/kernel_sweep_h200_$DAY.json"
+timeout 100 $PY bench/kernel_sweep.py --iters 5 --inner 10 --json "$OUT/kernel_sweep_${CARD}_$DAY.json"

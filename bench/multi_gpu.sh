@@ -23,8 +23,8 @@ GRAD=${GRAD_DTYPE:-bfloat16}
 echo "== e2e: llama2_7b, FSDP over $N GPUs, global batch $N, grad_dtype=$GRAD"
 $PY bench/e2e.py --model llama2_7b --fsdp "$N" --batch "$N" --set grad_dtype="$GRAD" \
   --policies bf16+adamw,coat+fp8_adamw --time_budget_s "${BUDGET:-540}" \
-  --json "$OUT/e2e_llama2_7b_${N}xh200_$DAY.json" \
-  2>&1 | tee "$OUT/e2e_llama2_7b_${N}xh200_$DAY.txt"
+  --json "$OUT/e2e_llama2_7b_${N}x${CARD}_$DAY.json" \
+  2>&1 | tee "$OUT/e2e_llama2_7b_${N}x${CARD}_$DAY.txt"
 
 # PROFILE=1: also where each policy's sharded step spends its time (communication vs GEMMs vs
 # the rest; bench/profile_step.py, about 90 s per policy on 2 H200s).
@@ -35,6 +35,6 @@ if [ "${PROFILE:-0}" = 1 ]; then
     echo "== profile: $P, FSDP $N"
     timeout 240 $PY bench/profile_step.py --config configs/llama2_7b.py --set "$1" --set "$2" \
       --set mesh.data=1 --set mesh.fsdp="$N" --set batch_size="$N" --set grad_dtype="$GRAD" --trace_dir "/tmp/profile_$NAME" \
-      --json "$OUT/profile_llama2_7b_${NAME}_fsdp${N}_${N}xh200_$DAY.json" 2>&1 | tail -25
+      --json "$OUT/profile_llama2_7b_${NAME}_fsdp${N}_${N}x${CARD}_$DAY.json" 2>&1 | tail -25
   done
 fi

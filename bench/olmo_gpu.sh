@@ -9,7 +9,7 @@ RUN=$(mktemp -d)/olmo_1b
 $PY train.py --config configs/olmo_1b.py --config.batch_size=-1 --config.steps="$STEPS" \
   --config.optimizer.warmup_steps=5 --config.log_interval=10 --config.eval_interval="$STEPS" \
   --config.checkpoint_interval="$STEPS" --config.progress=False --config.workdir="$RUN" \
-  2>&1 | tee "$OUT/olmo_1b_train_h200_$DAY.txt" | grep -v "^W\|Warning" | tail -12
-cp "$RUN/metrics.jsonl" "$OUT/olmo_1b_metrics_h200_$DAY.jsonl" 2>/dev/null
+  2>&1 | tee "$OUT/olmo_1b_train_${CARD}_$DAY.txt" | grep -v "^W\|Warning" | tail -12
+cp "$RUN/metrics.jsonl" "$OUT/olmo_1b_metrics_${CARD}_$DAY.jsonl" 2>/dev/null
 $PY -m coat_jax.generate --from "$RUN" --prompt "def " --max_new_tokens 48 \
-  2>&1 | tee "$OUT/olmo_1b_generate_h200_$DAY.txt" | tail -4
+  2>&1 | tee "$OUT/olmo_1b_generate_${CARD}_$DAY.txt" | tail -4

@@ -10,9 +10,9 @@ EARLIER=${1:-}
 $PY -m pytest -q -p no:cacheprovider tests/test_pallas_adam_step.py tests/test_pallas_adam_update.py \
   tests/test_optim_nonfinite.py tests/test_optim.py tests/test_fp8_state.py \
   "tests/test_train_faults.py::test_a_nonfinite_step_leaves_params_and_state_unchanged" \
-  2>&1 | tee "$OUT/gpu_tests_optimizer_h200_$DAY.txt" | tail -3
+  2>&1 | tee "$OUT/gpu_tests_optimizer_${CARD}_$DAY.txt" | tail -3
 if [ -n "$EARLIER" ]; then
-  (cd "$EARLIER" && PYTHONPATH=. $PY bench/optimizer.py --json "$OUT/optimizer_earlier_h200_$DAY.json") \
+  (cd "$EARLIER" && PYTHONPATH=. $PY bench/optimizer.py --json "$OUT/optimizer_earlier_${CARD}_$DAY.json") \
     | tail -9
 fi
-$PY bench/optimizer.py --json "$OUT/optimizer_h200_$DAY.json" | tail -9
+$PY bench/optimizer.py --json "$OUT/optimizer_${CARD}_$DAY.json" | tail -9

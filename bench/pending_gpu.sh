@@ -7,10 +7,10 @@
 # on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300 TFLOP/s: the block-scaled kernel since its
 # tile-loop refactor of 2026-12-05 has run only on an H100, 1,209), then PART=51 (issue 24's 7B
 # table, with the LM head change and the fused kernels under auto); on either GPU, PART=52 (the
-# block with every FP8 GEMM on Pallas). PART=54 ran on an H100 on 2026-12-07 (file names there
-# say h200: rename them to the card that ran them). When nvidia-h200-x2 is lent: the fused kernels and the Pallas GEMM
-# on each shard (never run on GPUs yet), `bench/e2e.py --fsdp 2 --batch 8 --no_search
-# --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm` (tokens/s, peak).
+# block with every FP8 GEMM on Pallas). PART=54 ran on an H100 on 2026-12-07. Result names
+# carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
+# fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
+# --fsdp 2 --batch 8 --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm`.
 #
 #   PART=1 bash bench/pending_gpu.sh   compile checks (pytest -m gpu: the bf16-output FP8
 #                                      weight-gradient GEMM, the fused quantize kernels), then
@@ -192,8 +192,8 @@
 source "$(dirname "$0")/gpu_env.sh"
 
 train_7b() {  # batch, tag, --config overrides...: Llama-2-7B, bf16 gradients, 6 steps; the log
-  local batch=$1 tag=$2; shift 2  # and metrics land in $OUT/train_llama2_7b_b${batch}_${tag}_h200_$DAY.*
-  local name="train_llama2_7b_b${batch}_${tag}_h200_$DAY"
+  local batch=$1 tag=$2; shift 2  # and metrics land in $OUT/train_llama2_7b_b${batch}_${tag}_${CARD}_$DAY.*
+  local name="train_llama2_7b_b${batch}_${tag}_${CARD}_$DAY"
   rm -rf /tmp/train_7b
   timeout "${TRAIN_TIMEOUT:-200}" $PY train.py --config configs/llama2_7b.py --config.batch_size=$batch \
     --config.grad_dtype=bfloat16 --config.steps=6 --config.optimizer.warmup_steps=2 \
@@ -218,7 +218,7 @@ train_7b_policy() {  # tree, precision, optimizer, batch, log name: Llama-2-7B t
 }
 
 profile_2l() {  # tag, precision, optimizer: a 2-layer 7B step at batch 4, by op, with its HLO
-  local name="profile_7b_2layers_$1_h200_$DAY"
+  local name="profile_7b_2layers_$1_${CARD}_$DAY"
   echo "== 2-layer Llama-2-7B step, batch 4: $1 (XLA_FLAGS=${XLA_FLAGS:-})"
   timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=4 \
     --set precision=$2 --set optimizer.name=$3 --top 400 --json "$OUT/$name.json" \
@@ -248,7 +248,7 @@ policy_optimizer() {  # precision -> the optimizer it trains with in the issues'
 }
 
 profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as one archive
-  (cd "$OUT" && tar czf "profiles_$1_h200_$DAY.tgz" hlo_*.txt.gz profile_*.json \
+  (cd "$OUT" && tar czf "profiles_$1_${CARD}_$DAY.tgz" hlo_*.txt.gz profile_*.json \
     && rm -f hlo_*.txt.gz profile_*.json)
 }
 
@@ -260,7 +260,7 @@ case "${PART:-1}" in
   # issue 24's 114M target: Llama-114M's step by op with its HLO, BF16, FP8-linear and COAT as
   # train.py runs them (fused kernels under auto), one archive: what COAT still spends there
   for precision in bf16 fp8_linear coat; do
-    name="profile_114m_${precision}_h200_$DAY"
+    name="profile_114m_${precision}_${CARD}_$DAY"
     echo "== Llama-114M step (batch 16 x 512): $precision"
     timeout 120 $PY bench/profile_step.py --config configs/llama_114m.py --set precision=$precision \
       --set optimizer.name="$(policy_optimizer "$precision")" --top 400 --json "$OUT/$name.json" \
@@ -283,7 +283,7 @@ case "${PART:-1}" in
       tag=$([ "$tree" = . ] && echo after || echo before)
       echo "-- round $round: $precision $tag (${SECONDS}s)"
       train_114m "$tree/train.py" "$precision" \
-        "throughput_114m_head_${precision}_${tag}_round${round}_h200_$DAY.jsonl"
+        "throughput_114m_head_${precision}_${tag}_round${round}_${CARD}_$DAY.jsonl"
     done
   done
   ;;
@@ -296,7 +296,7 @@ case "${PART:-1}" in
     rows="fp8_linear coat coat+pallas_gemm"
     [ "$round" = 1 ] && rows="$rows coat+bf16_product"
     for policy in $rows; do
-      layer_row "$round" "$policy" "layer_pallas_gemm_fused_h200_$DAY.jsonl" 90
+      layer_row "$round" "$policy" "layer_pallas_gemm_fused_${CARD}_$DAY.jsonl" 90
       echo "-- ${SECONDS}s"
     done
   done
@@ -310,7 +310,7 @@ case "${PART:-1}" in
     IFS='|' read -r precision batch tag flags <<< "$run"
     # shellcheck disable=SC2086
     train_7b_policy . "$precision" "$(policy_optimizer "$precision")" "$batch" \
-      "train_llama2_7b_${tag}_h200_$DAY" $flags
+      "train_llama2_7b_${tag}_${CARD}_$DAY" $flags
     echo "-- ${SECONDS}s since the call began"
   done
   ;;
@@ -323,11 +323,11 @@ case "${PART:-1}" in
   FUSED="--config.fp8.fused_mlp=pallas --config.fp8.fused_backward=pallas"
   UNFUSED="--config.fp8.fused_mlp=reference --config.fp8.fused_backward=reference"
   if [ -z "${NO_7B:-}" ]; then  # NO_7B=1: the 114M runs only (they fit any GPU); NO_114M=1
-    train_7b_policy . fp8_linear adamw 4 "train_llama2_7b_b4_fp8_linear_h200_$DAY"
+    train_7b_policy . fp8_linear adamw 4 "train_llama2_7b_b4_fp8_linear_${CARD}_$DAY"
     # shellcheck disable=SC2086
-    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_unfused_h200_$DAY" $UNFUSED
+    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_unfused_${CARD}_$DAY" $UNFUSED
     # shellcheck disable=SC2086
-    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_fused_h200_$DAY" $FUSED
+    train_7b_policy . coat fp8_adamw 4 "train_llama2_7b_b4_coat_fused_${CARD}_$DAY" $FUSED
   fi
   [ -n "${NO_114M:-}" ] && exit 0
   for run in "unfused|$UNFUSED" "fused|$FUSED"; do
@@ -339,7 +339,7 @@ case "${PART:-1}" in
       --config.seed=0 --config.eval_interval=500 \
       --config.checkpoint_interval=0 --config.progress=False --config.workdir=/tmp/p50 \
       $flags 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-140 | tail -2
-    cp /tmp/p50/metrics.jsonl "$OUT/train_114m_2000_coat_${tag}_h200_$DAY.jsonl" 2>/dev/null
+    cp /tmp/p50/metrics.jsonl "$OUT/train_114m_2000_coat_${tag}_${CARD}_$DAY.jsonl" 2>/dev/null
   done
   ;;
 49)
@@ -354,7 +354,7 @@ case "${PART:-1}" in
       IFS='|' read -r tag precision flags <<< "$run"
       echo "-- round $round: $tag"
       # shellcheck disable=SC2086
-      train_114m train.py "$precision" "throughput_114m_${tag}_round${round}_h200_$DAY.jsonl" $flags
+      train_114m train.py "$precision" "throughput_114m_${tag}_round${round}_${CARD}_$DAY.jsonl" $flags
     done
   done
   ;;
@@ -365,14 +365,14 @@ case "${PART:-1}" in
   for run in "fp8_linear|fp8_linear|adamw|" "coat|coat|fp8_adamw|" \
              "coat_fused|coat|fp8_adamw|--set fp8.fused_mlp=pallas --set fp8.fused_backward=pallas"; do
     IFS='|' read -r tag precision opt extra <<< "$run"
-    name="profile_7b_2layers_b8_${tag}_h200_$DAY"
+    name="profile_7b_2layers_b8_${tag}_${CARD}_$DAY"
     echo "== 2-layer Llama-2-7B step, batch 8: $tag"
     # shellcheck disable=SC2086
     timeout 170 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
       --set precision=$precision --set optimizer.name=$opt $extra --top 400 \
       --json "$OUT/$name.json" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -14
   done
-  (cd "$OUT" && tar czf "profiles_b8_fused_h200_$DAY.tgz" profile_7b_2layers_b8_*.json \
+  (cd "$OUT" && tar czf "profiles_b8_fused_${CARD}_$DAY.tgz" profile_7b_2layers_b8_*.json \
     && rm -f profile_7b_2layers_b8_*.json)
   ;;
 46)
@@ -389,7 +389,7 @@ case "${PART:-1}" in
     rows="coat+unfused coat+fused_backward coat+fused_mlp+fused_backward fp8_linear"
     [ $round = 1 ] && rows="$rows coat+fused_mlp coat+all_fused+fused_backward"
     for policy in $rows; do
-      layer_row "$round" "$policy" "layer_fused_backward_h200_$DAY.jsonl" 80
+      layer_row "$round" "$policy" "layer_fused_backward_${CARD}_$DAY.jsonl" 80
     done
   done
   ;;
@@ -403,7 +403,7 @@ case "${PART:-1}" in
     precision=${tag%%_default}; precision=${precision%%_fused*}
     # shellcheck disable=SC2086
     train_7b_policy . "$precision" "$(policy_optimizer "$precision")" 4 \
-      "train_llama2_7b_b4_${tag}_h200_$DAY" $flags
+      "train_llama2_7b_b4_${tag}_${CARD}_$DAY" $flags
   done
   ;;
 45)
@@ -422,7 +422,7 @@ case "${PART:-1}" in
       tree=${row%%:*} policy=${row#*:}
       (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 80 $PY "$local_layer" --policy "$policy") \
         2>&1 | tail -1 | sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" \
-        | tee -a "$OUT/layer_fused_mlp_barriers_h200_$DAY.jsonl" | cut -c1-110
+        | tee -a "$OUT/layer_fused_mlp_barriers_${CARD}_$DAY.jsonl" | cut -c1-110
     done
   done
   ;;
@@ -435,16 +435,16 @@ case "${PART:-1}" in
   timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mlp.py \
     tests/test_pallas_fp8_matmul.py -k "fused_mlp or quantize_1x16" 2>&1 | tail -4
   echo "== one Llama-2-7B block, batch 4, per row"
-  timeout 330 $PY bench/layer.py --mlp --json "$OUT/layer_fused_mlp_h200_$DAY.json" 2>&1 \
+  timeout 330 $PY bench/layer.py --mlp --json "$OUT/layer_fused_mlp_${CARD}_$DAY.json" 2>&1 \
     | grep -v -i warn | tail -10
   timeout 90 $PY bench/layer.py --policy coat+auto_gemm 2>&1 | tail -1 \
-    | tee "$OUT/layer_coat_auto_gemm_h200_$DAY.json" | cut -c1-160
+    | tee "$OUT/layer_coat_auto_gemm_${CARD}_$DAY.json" | cut -c1-160
   ;;
 27)
   echo "== Llama-114M: host dispatch, step and back-to-back loop per policy, NNX State vs flat arrays"
   timeout 420 $PY bench/host_dispatch.py --config configs/llama_114m.py \
     --policies coat+fp8_adamw,bf16+adamw --flat --loop_steps 50 \
-    --json "$OUT/host_dispatch_114m_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -9
+    --json "$OUT/host_dispatch_114m_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -9
   ;;
 32|33)
   # issue 24 at 114M, COAT's device time through train.py (150 steps, one run after another):
@@ -488,12 +488,12 @@ case "${PART:-1}" in
       --config.eval_interval=1000 --config.checkpoint_interval=0 --config.progress=False \
       --config.workdir=/tmp/p31 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-120 | tail -6
     tag=$([ "$3" = train.py ] && echo flat || echo tree)
-    cp /tmp/p31/metrics.jsonl "$OUT/throughput_114m_${1}_${tag}_run${n}_h200_$DAY.jsonl" 2>/dev/null
+    cp /tmp/p31/metrics.jsonl "$OUT/throughput_114m_${1}_${tag}_run${n}_${CARD}_$DAY.jsonl" 2>/dev/null
   done
   echo "== Llama-114M: host dispatch, step and back-to-back loop, tree vs flat (train.py's) call"
   timeout 200 $PY bench/host_dispatch.py --config configs/llama_114m.py \
     --policies bf16+adamw,fp8_linear+adamw --flat --loop_steps 50 \
-    --json "$OUT/host_dispatch_114m_bf16_fp8_linear_flat_h200_$DAY.json" 2>&1 \
+    --json "$OUT/host_dispatch_114m_bf16_fp8_linear_flat_${CARD}_$DAY.json" 2>&1 \
     | grep -v -i warn | tail -7
   ;;
 28|30)
@@ -520,7 +520,7 @@ case "${PART:-1}" in
     echo "== Llama-114M, COAT: host dispatch, step and back-to-back loop, NNX State vs flat arrays"
     timeout 200 $PY bench/host_dispatch.py --config configs/llama_114m.py \
       --policies coat+fp8_adamw --flat --loop_steps 50 \
-      --json "$OUT/host_dispatch_114m_coat_flat_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -5
+      --json "$OUT/host_dispatch_114m_coat_flat_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -5
   fi
   ;;
 26)
@@ -554,12 +554,12 @@ case "${PART:-1}" in
   for tree in new base new base fp8_linear; do
     policy=coat; [ $tree = fp8_linear ] && policy=fp8_linear
     in_tree $tree timeout 120 $PY bench/layer.py --policy $policy 2>/dev/null | tail -1 \
-      | tee -a "$OUT/layer_ab_h200_$DAY.jsonl" | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print('$tree', r['policy'], round(r['median_ms'], 3), 'ms')"
+      | tee -a "$OUT/layer_ab_${CARD}_$DAY.jsonl" | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); print('$tree', r['policy'], round(r['median_ms'], 3), 'ms')"
   done
   for tree in new base; do
     echo "== Llama-2-7B through train.py's step at batch 4, COAT: $tree"
     in_tree $tree timeout 200 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
-      --policies coat+fp8_adamw --json "$OUT/e2e_llama2_7b_b4_ab_${tree}_h200_$DAY.json" 2>&1 \
+      --policies coat+fp8_adamw --json "$OUT/e2e_llama2_7b_b4_ab_${tree}_${CARD}_$DAY.json" 2>&1 \
       | grep -v -i warn | tail -3
   done
   profiles_archive ab
@@ -574,32 +574,32 @@ case "${PART:-1}" in
   ;;
 22)
   echo "== one Llama-2-7B block, batch 4: FP8 GEMMs writing an fp32 or a BF16 product"
-  timeout 400 $PY bench/layer.py --product --json "$OUT/layer_product_h200_$DAY.json" 2>&1 \
+  timeout 400 $PY bench/layer.py --product --json "$OUT/layer_product_${CARD}_$DAY.json" 2>&1 \
     | grep -v -i warn | tail -9
   if [ -n "${E2E:-}" ]; then  # ~4 min more (ran 2026-12-03; the block half timed out at 240 s)
     echo "== Llama-2-7B through train.py at batch 4: COAT with fp32 / BF16 products"
     timeout 330 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
       --policies coat+fp8_adamw,coat+fp8_adamw+bf16_product \
-      --json "$OUT/e2e_llama2_7b_b4_product_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+      --json "$OUT/e2e_llama2_7b_b4_product_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -8
   fi
   ;;
 21)
   echo "== per-tensor FP8 GEMM: which spelling lets cuBLASLt write BF16 with the scales inside"
   timeout 300 $PY bench/fp8_epilogue.py --shapes 8192x4096x4096,8192x4096x11008 \
-    --json "$OUT/fp8_epilogue_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+    --json "$OUT/fp8_epilogue_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -14
   ;;
 20)
   for gemm in auto xla; do
     echo "== Llama-2-7B COAT step at batch 4, fp8.gemm=$gemm: device time by op signature"
     timeout 200 $PY bench/profile_step.py --set batch_size=4 --set fp8.gemm=$gemm --top 30 \
-      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_sig_h200_$DAY.json" 2>&1 \
+      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_sig_${CARD}_$DAY.json" 2>&1 \
       | grep -v -i warn | sed -n '/| category/,/| top op/p'
   done
   for policy in "bf16 adamw" "coat fp8_adamw" "fp8_linear adamw"; do
     set -- $policy
     echo "== Llama-114M step (batch 16 x 512), $1 + $2: device time by op signature"
     timeout 120 $PY bench/profile_step.py --config configs/llama_114m.py --set precision=$1 \
-      --set optimizer.name=$2 --top 25 --json "$OUT/profile_114m_${1}_h200_$DAY.json" 2>&1 \
+      --set optimizer.name=$2 --top 25 --json "$OUT/profile_114m_${1}_${CARD}_$DAY.json" 2>&1 \
       | grep -v -i warn | sed -n '/^step/,/| top op/p'
   done
   ;;
@@ -609,41 +609,41 @@ case "${PART:-1}" in
     tests/test_pallas_adam_update.py 2>&1 | tail -2
   echo "== the fused update on one 4096x11008 leaf: tunings and ablations"
   timeout 200 $PY bench/adam_ablation.py --tunings 8x4,16x4,32x8 \
-    --variants "shipped,io only,no expansion,IEEE direction" --json "$OUT/adam_ablation_h200_$DAY.json" \
+    --variants "shipped,io only,no expansion,IEEE direction" --json "$OUT/adam_ablation_${CARD}_$DAY.json" \
     2>&1 | tail -21
   if [ -d "${BASELINE:-}" ]; then
     echo "== the same leaf, the kernel of $BASELINE"
     PYTHONPATH="/tmp/site:$BASELINE" timeout 60 $PY bench/adam_ablation.py --variants shipped \
-      --tunings 8x4,16x4 --json "$OUT/adam_ablation_baseline_h200_$DAY.json" 2>&1 | tail -4
+      --tunings 8x4,16x4 --json "$OUT/adam_ablation_baseline_${CARD}_$DAY.json" 2>&1 | tail -4
   fi
   echo "== optimizer step, 1.01B params, beside optax.adamw"
   timeout 200 $PY bench/optimizer.py --only "Pallas" \
-    --json "$OUT/optimizer_fused_h200_$DAY.json" 2>&1 | tail -8
+    --json "$OUT/optimizer_fused_${CARD}_$DAY.json" 2>&1 | tail -8
   ;;
 1)
   echo "== gpu tests: bf16 weight-gradient GEMMs, fused quantize kernels"
   timeout 150 $PY -m pytest -q -x -m gpu tests/test_gpu.py tests/test_pallas_fused_quantize.py \
     2>&1 | tail -15
   echo "== one Llama-2-7B block, batch 4: bf16, fp8_linear, coat, coat + fused quantize"
-  timeout 200 $PY bench/layer.py --fused --json "$OUT/layer_fused_h200_$DAY.json" 2>&1 | tail -9
+  timeout 200 $PY bench/layer.py --fused --json "$OUT/layer_fused_${CARD}_$DAY.json" 2>&1 | tail -9
   echo "== Llama-2-13B on one H200: memory plan and largest batch"
   timeout 200 $PY train.py --config configs/llama2_13b.py --dry_run \
-    --config.workdir=/tmp/pending_13b 2>&1 | tee "$OUT/plan_llama2_13b_h200_$DAY.txt" | tail -25
+    --config.workdir=/tmp/pending_13b 2>&1 | tee "$OUT/plan_llama2_13b_${CARD}_$DAY.txt" | tail -25
   ;;
 2)
   echo "== Llama-2-13B through train.py at the largest batch (12 steps)"
   timeout 330 $PY train.py --config configs/llama2_13b.py --config.batch_size=-1 \
     --config.steps=12 --config.optimizer.warmup_steps=2 --config.log_interval=4 --config.eval_interval=1000 \
     --config.checkpoint_interval=0 --config.workdir=/tmp/pending_13b_run \
-    2>&1 | tee "$OUT/train_llama2_13b_h200_$DAY.txt" | tail -8
+    2>&1 | tee "$OUT/train_llama2_13b_${CARD}_$DAY.txt" | tail -8
   echo "== Llama-2-7B COAT largest batch: bf16 gradients + chunked loss vs the default"
   timeout 230 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw \
     --set grad_dtype=bfloat16 --set model.loss_chunk=512 --time_budget_s 200 \
-    --json "$OUT/e2e_llama2_7b_bf16grads_chunked_h200_$DAY.json" 2>&1 | tail -8
+    --json "$OUT/e2e_llama2_7b_bf16grads_chunked_${CARD}_$DAY.json" 2>&1 | tail -8
   ;;
 3)
   echo "== optimizer step, 1.01B params: master-weight options beside optax.adamw"
-  timeout 400 $PY bench/optimizer.py --json "$OUT/optimizer_master_h200_$DAY.json" 2>&1 | tail -14
+  timeout 400 $PY bench/optimizer.py --json "$OUT/optimizer_master_${CARD}_$DAY.json" 2>&1 | tail -14
   ;;
 4)
   echo "== gpu test: fused quantize kernels, compiled"
@@ -655,10 +655,10 @@ case "${PART:-1}" in
     timeout 200 $PY train.py --config configs/llama2_13b.py --config.batch_size=$1 \
       --config.optimizer.master_weights=$2 --config.steps=8 --config.optimizer.warmup_steps=2 \
       --config.log_interval=2 --config.eval_interval=1000 --config.checkpoint_interval=0 \
-      --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_${tag}_h200_$DAY.txt" \
+      --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_${tag}_${CARD}_$DAY.txt" \
       | grep -v Warning | tail -6
     grep -q tokens_per_s /tmp/pending_13b_run/metrics.jsonl 2>/dev/null \
-      && cp /tmp/pending_13b_run/metrics.jsonl "$OUT/train_llama2_13b_${tag}_h200_$DAY.jsonl"
+      && cp /tmp/pending_13b_run/metrics.jsonl "$OUT/train_llama2_13b_${tag}_${CARD}_$DAY.jsonl"
   }
   if [ -n "${BATCHES:-}" ]; then for b in $BATCHES; do train_13b $b bf16+16 || break; done
   elif train_13b 4 bf16+16; then train_13b 5 bf16+16; else train_13b 4 bf16+8; fi
@@ -672,7 +672,7 @@ case "${PART:-1}" in
   timeout 240 $PY train.py --config configs/llama2_13b.py --config.optimizer.kernels=pallas \
     --config.steps=8 --config.optimizer.warmup_steps=2 --config.log_interval=2 \
     --config.eval_interval=1000 --config.checkpoint_interval=0 \
-    --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_b4_parts_h200_$DAY.txt" \
+    --config.workdir=/tmp/pending_13b_run 2>&1 | tee "$OUT/train_llama2_13b_b4_parts_${CARD}_$DAY.txt" \
     | grep -v Warning | tail -6
   ;;
 6)
@@ -680,7 +680,7 @@ case "${PART:-1}" in
   timeout 560 $PY bench/fidelity.py --baseline "coat+fp8_adamw" \
     --runs "${RUNS:-coat+fp8_adamw;coat+fp8_adamw, bf16 gradients;coat+fp8_adamw, bf16 gradients, bf16+8 master}" \
     --seeds "${SEEDS:-0}" --chunk_steps 2000 --time_budget_s 540 --workdir runs/fidelity_master \
-    --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_h200_$DAY.json" 2>&1 | tail -14
+    --json "$OUT/fidelity_master_llama_114m_seed${SEEDS:-0}_${CARD}_$DAY.json" 2>&1 | tail -14
   ;;
 8)
   echo "== gpu tests: the block-scaled GEMM (every candidate config), compiled"
@@ -690,7 +690,7 @@ case "${PART:-1}" in
   timeout 270 $PY bench/gemm.py --iters 20 --block_configs \
     --shapes 8192x4096x11008,8192x4096x4096,8192x11008x4096 \
     --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
-    --json "$OUT/gemm_block_scaled_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+    --json "$OUT/gemm_block_scaled_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -14
   echo "== gpu tests: the fused update on BF16 master weights' parts, compiled"
   timeout 120 $PY -m pytest -q -k "pallas or compiled" tests/test_master_weights.py tests/test_pallas_adam_update.py \
     2>&1 | tail -6
@@ -702,7 +702,7 @@ case "${PART:-1}" in
   echo "== Llama-2-7B, batch 8 then the largest batch: COAT + fp8_adamw, recipe $tag"
   timeout 560 $PY bench/e2e.py --model llama2_7b --policies coat+fp8_adamw --batch 8 \
     --max_compiles 3 --time_budget_s 520 "${sets[@]}" \
-    --json "$OUT/e2e_llama2_7b_${tag}_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+    --json "$OUT/e2e_llama2_7b_${tag}_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -8
   ;;
 10)
   echo "== gpu tests: the fused update on BF16 master weights' parts (and its skip flag), compiled"
@@ -726,7 +726,7 @@ case "${PART:-1}" in
   echo "== Llama-2-7B at batch 4: COAT, COAT with the weights requantized in backward"
   timeout 260 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
     --policies coat+fp8_adamw,coat+fp8_adamw+requantize \
-    --json "$OUT/e2e_llama2_7b_b4_requant_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+    --json "$OUT/e2e_llama2_7b_b4_requant_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
 16)
   echo "== a split fused with arithmetic (zero remainders on 2026-12-02 before the barrier), the skip flag"
@@ -737,13 +737,13 @@ case "${PART:-1}" in
     echo "== Llama-2-7B compiled step, batch 1, bf16 gradients, in the backward pass, BF16 + 8-bit: saved_weights=$s"
     timeout 110 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
       --set optimizer.update_in_backward=True --set optimizer.master_weights=bf16+8 \
-      --set fp8.saved_weights=$s --json "$OUT/peak_llama2_7b_b1_inbwd_bf16_8_${s}_h200_$DAY.json" \
+      --set fp8.saved_weights=$s --json "$OUT/peak_llama2_7b_b1_inbwd_bf16_8_${s}_${CARD}_$DAY.json" \
       2>&1 | grep -v -i warn | head -12
   done
   for s in fp8 requantize; do
     echo "== Llama-2-7B compiled step, batch 4, fp32 master (the default): saved_weights=$s"
     timeout 110 $PY bench/peak_buffers.py --set batch_size=4 --set fp8.saved_weights=$s \
-      --json "$OUT/peak_llama2_7b_b4_${s}_h200_$DAY.json" 2>&1 | grep -v -i warn | head -12
+      --json "$OUT/peak_llama2_7b_b4_${s}_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | head -12
   done
   ;;
 17)
@@ -753,13 +753,13 @@ case "${PART:-1}" in
   for b in 2 $probe; do
     echo "== Llama-2-7B compiled step, batch $b, bf16 gradients, every memory option: ${MEMORY[*]}"
     timeout 150 $PY bench/peak_buffers.py --set batch_size=$b --set grad_dtype=bfloat16 \
-      "${MEMORY[@]/#/--set=}" --json "$OUT/peak_llama2_7b_b${b}_memory_options_h200_$DAY.json" \
+      "${MEMORY[@]/#/--set=}" --json "$OUT/peak_llama2_7b_b${b}_memory_options_${CARD}_$DAY.json" \
       2>&1 | grep -v -i warn | head -14
   done
   # the largest batch on the planner's line through the two compiled totals, under train.py's
   # limit (preallocate 0.95 of the H200: 132.8 GiB, bench/results/trainer_llama2_7b_h200_2026-12-01)
   # less the planner's margin
-  batch=$($PY -c "import json; from coat_jax.training import planner as p; t={b: json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_h200_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)}; print(p.batch_on_curve(t, 132.8*2**30-p.MARGIN, 1, 2, None))")
+  batch=$($PY -c "import json; from coat_jax.training import planner as p; t={b: json.load(open(f'$OUT/peak_llama2_7b_b{b}_memory_options_${CARD}_$DAY.json'))['memory_analysis']['total'] for b in (2, $probe)}; print(p.batch_on_curve(t, 132.8*2**30-p.MARGIN, 1, 2, None))")
   echo "== Llama-2-7B through train.py at batch $batch (the line's largest), every memory option"
   TRAIN_TIMEOUT=260 train_7b "$batch" memory_options "${MEMORY[@]/#/--config.}"
   ;;
@@ -777,7 +777,7 @@ case "${PART:-1}" in
   for tree in "$base" . "$base"; do
     run=$((run + 1))
     train_7b_policy "$tree" "$policy" "$opt" "$batch" \
-      "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_h200_$DAY"
+      "train_llama2_7b_${policy}_b${batch}_bisect${run}_$([ "$tree" = . ] && echo head || echo "$base")_${CARD}_$DAY"
   done
   ;;
 42)
@@ -791,7 +791,7 @@ case "${PART:-1}" in
   echo "== block-scaled default vs per-tensor vs cuBLASLt"
   timeout 200 $PY bench/gemm.py --check --iters 30 --shapes 8192x4096x11008,8192x4096x4096 \
     --only "(N, K) weight,Pallas per-tensor,Pallas block-scaled" \
-    --json "$OUT/gemm_block_scaled_default_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+    --json "$OUT/gemm_block_scaled_default_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
 41)
   # issue 20: the block-scaled candidates' compiled tests, then a sweep of the GEMM configs
@@ -805,13 +805,13 @@ case "${PART:-1}" in
   echo "== GEMM sweep: $configs (--check first)"
   timeout 330 $PY bench/gemm.py --check --iters 20 --shapes 8192x4096x11008,8192x4096x4096 \
     --only "(N, K) weight,Pallas per-tensor,block-scaled #0,cfg" --configs "$(cat "$configs")" \
-    --json "$OUT/gemm_sweep_$(basename "$configs" .json | sed 's/^gemm_sweep_//')_h200_$DAY.json" \
+    --json "$OUT/gemm_sweep_$(basename "$configs" .json | sed 's/^gemm_sweep_//')_${CARD}_$DAY.json" \
     2>&1 | grep -v -i warn | tail -24
   ;;
 38)
   echo "== the non-finite guard on the 7B FP8-linear step, batch 5: compiled memory, step ms"
   timeout 540 $PY bench/step_guard.py --policies fp8_linear+adamw=5 --rounds 3 \
-    --json "$OUT/step_guard_llama2_7b_fp8_linear_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -6
+    --json "$OUT/step_guard_llama2_7b_fp8_linear_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -6
   ;;
 39)
   # CI has no GPU: every gpu-marked test, then the optimizer and kernel test files whole (on a
@@ -819,14 +819,14 @@ case "${PART:-1}" in
   if [ "${GPU_MARKED:-1}" != 0 ]; then
     echo "== pytest -m gpu (every gpu-marked test)"
     timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short -n 4 -m gpu tests/ 2>&1 \
-      | grep -v -i warn | tee "$OUT/pytest_gpu_marked_h200_$DAY.txt" | tail -25
+      | grep -v -i warn | tee "$OUT/pytest_gpu_marked_${CARD}_$DAY.txt" | tail -25
   fi
   # FILES=...: other test files instead (GPU_MARKED=0 skips the first half)
   files=${FILES:-tests/test_pallas_adam_step.py tests/test_pallas_adam_update.py tests/test_optim.py
     tests/test_optim_nonfinite.py tests/test_fp8_state.py tests/test_update_in_backward.py}
   echo "== test files, whole, on the GPU: $files"
   timeout ${FILES_TIMEOUT:-260} $PY -m pytest -q -p no:cacheprovider --tb=short -n ${WORKERS:-4} \
-    $files 2>&1 | grep -v -i warn | tee "$OUT/pytest_files_${TAG:-optimizer}_h200_$DAY.txt" | tail -40
+    $files 2>&1 | grep -v -i warn | tee "$OUT/pytest_files_${TAG:-optimizer}_${CARD}_$DAY.txt" | tail -40
   ;;
 37)
   for tree in . baseline_head; do
@@ -844,8 +844,8 @@ case "${PART:-1}" in
   echo "== block-scaled GEMM: each candidate beside the per-tensor kernel and cuBLASLt FP8"
   timeout 200 $PY bench/gemm.py --iters 20 --block_configs --shapes 8192x4096x11008,8192x4096x4096 \
     --only "(N, K) weight,Pallas per-tensor,block-scaled #" \
-    --json "$OUT/gemm_block_scaled_2blocks_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -14
-  [ -n "$NO_TRAIN" ] || train_7b_policy . coat fp8_adamw 5 "train_llama2_7b_coat_b5_h200_$DAY"
+    --json "$OUT/gemm_block_scaled_2blocks_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -14
+  [ -n "$NO_TRAIN" ] || train_7b_policy . coat fp8_adamw 5 "train_llama2_7b_coat_b5_${CARD}_$DAY"
   ;;
 35)
   base=${BASELINE:-baseline}
@@ -859,7 +859,7 @@ case "${PART:-1}" in
     echo "== 2-layer Llama-2-7B step, batch 5, $policy + $opt, on $tree"
     (cd "$tree" && timeout 130 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=5 \
       --set precision=$policy --set optimizer.name=$opt --top 400 \
-      --json "$OUT/profile_7b_2layers_${policy}_b5_bisect${run}_${tag}_h200_$DAY.json" 2>&1) \
+      --json "$OUT/profile_7b_2layers_${policy}_b5_bisect${run}_${tag}_${CARD}_$DAY.json" 2>&1) \
       | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
   done
   ;;
@@ -870,7 +870,7 @@ case "${PART:-1}" in
   set -- ${BATCHES:-6 6 16}
   for run in "bf16 adamw $1" "fp8_linear adamw $2" "coat fp8_adamw $3"; do
     set -- $run
-    train_7b_policy . "$1" "$2" "$3" "train_llama2_7b_${1}_b$3_h200_$DAY"
+    train_7b_policy . "$1" "$2" "$3" "train_llama2_7b_${1}_b$3_${CARD}_$DAY"
   done
   ;;
 18)
@@ -879,36 +879,36 @@ case "${PART:-1}" in
   timeout 560 $PY train.py --config configs/llama2_7b.py --config.batch_size=-1 --config.steps=6 \
     --config.optimizer.warmup_steps=2 --config.log_interval=2 --config.eval_interval=1000 \
     --config.checkpoint_interval=0 --config.workdir=/tmp/train_7b_largest 2>&1 \
-    | tee "$OUT/train_llama2_7b_largest_coat_h200_$DAY.txt" | grep -E "batch|peak|tokens_per_s|Error" | tail -8
+    | tee "$OUT/train_llama2_7b_largest_coat_${CARD}_$DAY.txt" | grep -E "batch|peak|tokens_per_s|Error" | tail -8
   ;;
 12)
   echo "== Llama-2-7B through train.py at batch 4: fp8_linear, COAT (cuBLASLt), COAT + Pallas GEMMs"
   timeout 560 $PY bench/e2e.py --model llama2_7b --batch 4 --steps 4 --no_search \
     --policies fp8_linear+adamw,coat+fp8_adamw,coat+fp8_adamw+auto_gemm \
-    --json "$OUT/e2e_llama2_7b_b4_gemm_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -8
+    --json "$OUT/e2e_llama2_7b_b4_gemm_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -8
   ;;
 11)
   echo "== one Llama-2-7B block, batch 4: cuBLASLt vs Pallas per-tensor FP8 GEMMs"
-  timeout 330 $PY bench/layer.py --gemm --json "$OUT/layer_gemm_h200_$DAY.json" 2>&1 | tail -11
+  timeout 330 $PY bench/layer.py --gemm --json "$OUT/layer_gemm_${CARD}_$DAY.json" 2>&1 | tail -11
   echo "== Pallas per-tensor GEMM vs cuBLASLt FP8 on the step's shapes (MxKxN)"
   timeout 200 $PY bench/gemm.py --iters 20 --only "(N, K) weight,Pallas per-tensor" \
     --shapes 4096x8192x4096,4096x8192x11008,11008x8192x4096,16384x4096x4096,16384x4096x11008,16384x11008x4096 \
-    --json "$OUT/gemm_step_shapes_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -12
+    --json "$OUT/gemm_step_shapes_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -12
   ;;
 13)
   echo "== Llama-2-7B, batch 1, bf16 gradients: buffers live at the compiled step's peak"
   timeout 200 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
-    --json "$OUT/peak_llama2_7b_b1_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -30
+    --json "$OUT/peak_llama2_7b_b1_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -30
   echo "== the same with the update in the backward pass, BF16 + 16-bit master weights"
   timeout 200 $PY bench/peak_buffers.py --set batch_size=1 --set grad_dtype=bfloat16 \
     --set optimizer.update_in_backward=True --set optimizer.master_weights=bf16+16 \
-    --json "$OUT/peak_llama2_7b_b1_inbwd_h200_$DAY.json" 2>&1 | grep -v -i warn | tail -30
+    --json "$OUT/peak_llama2_7b_b1_inbwd_${CARD}_$DAY.json" 2>&1 | grep -v -i warn | tail -30
   ;;
 14)
   for gemm in xla auto; do
     echo "== Llama-2-7B COAT step at batch 4, fp8.gemm=$gemm: device time by category"
     timeout 270 $PY bench/profile_step.py --set batch_size=4 --set fp8.gemm=$gemm \
-      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_h200_$DAY.json" 2>&1 \
+      --json "$OUT/profile_llama2_7b_coat_b4_gemm_${gemm}_${CARD}_$DAY.json" 2>&1 \
       | grep -v -i warn | tail -16
   done
   ;;
@@ -920,7 +920,7 @@ case "${PART:-1}" in
     timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=200 \
       --config.log_interval=50 --config.eval_interval=1000 --config.checkpoint_interval=0 \
       --config.workdir="/tmp/p9_$tag" "$@" 2>&1 | grep -E "tokens_per_s|Error|error" | tail -3
-    cp "/tmp/p9_$tag/metrics.jsonl" "$OUT/throughput_114m_${tag}_h200_$DAY.jsonl" 2>/dev/null
+    cp "/tmp/p9_$tag/metrics.jsonl" "$OUT/throughput_114m_${tag}_${CARD}_$DAY.jsonl" 2>/dev/null
   }
   # issue 24's baselines in the same call: BF16 + adamw and fp8_linear + adamw
   run_114m bf16_adamw --config.precision=bf16 --config.optimizer.name=adamw
@@ -934,6 +934,6 @@ case "${PART:-1}" in
     --config.optimizer.master_weights=bf16+8 --config.optimizer.kernels=pallas
   echo "== the step alone (bench/profile_step.py), fp32 master"
   timeout 150 $PY bench/profile_step.py --config configs/llama_114m.py --set grad_dtype=float32 \
-    --json "$OUT/profile_step_114m_h200_$DAY.json" 2>&1 | grep -E "step_ms|tokens" | tail -3
+    --json "$OUT/profile_step_114m_${CARD}_$DAY.json" 2>&1 | grep -E "step_ms|tokens" | tail -3
   ;;
 esac
