@@ -244,6 +244,42 @@ def test_reading_params_walks_back_past_damage_and_moves_nothing(tmp_path):
     assert ckpt.all_steps() == [1, 2, 3] and not (tmp_path / "checkpoints_damaged").exists()
 
 
+_SAVE_ON_8 = """
+import sys, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from coat_jax.training.checkpoint import Checkpointer
+mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+w = jax.device_put(jnp.arange(64 * 16.0).reshape(64, 16), NamedSharding(mesh, P("fsdp", "data")))
+ckpt = Checkpointer(sys.argv[1], async_save=False)
+ckpt.save(3, {"w": w}, {"m": jnp.ones(8)}, {"seed": 0})
+ckpt.close()
+"""
+
+_READ_PARAMS = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from coat_jax.training.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1])
+step, params = ckpt.restore_params_newest({"w": jax.ShapeDtypeStruct((64, 16), jnp.float32)})
+np.testing.assert_array_equal(params["w"], np.arange(64 * 16.0).reshape(64, 16))
+print(step, jax.device_count(), params["w"].sharding.device_set == {jax.local_devices()[0]})
+"""
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_params_saved_on_8_devices_read_on_fewer(tmp_path, devices):
+    """export_hf, generate and gemm_error read a run's params into abstract (unsharded)
+    trees: a checkpoint written on 8 devices reads on 1 or 4 (it failed with "The available
+    devices are different from the devices used to save the checkpoint")."""
+    flags = "--xla_force_host_platform_device_count="
+    folder = str(tmp_path / "checkpoints")
+    for script, count in ((_SAVE_ON_8, 8), (_READ_PARAMS, devices)):
+        env = child_env(XLA_FLAGS=f"{flags}{count}", JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "-c", script, folder], capture_output=True,
+                              text=True, timeout=120, env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["3", str(devices), "True"]
+
+
 class _FailsOnAClosedLoop:
     """Like a read a failing restore abandoned: its callback fails on asyncio's closed loop
     when it completes (at collection here), which Python reports through sys.unraisablehook."""

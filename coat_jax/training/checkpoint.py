@@ -64,8 +64,20 @@ def all_finite(*trees) -> bool:
 
 
 def _abstract(tree):
-    """Restore target: shapes, dtypes and shardings of ``tree`` (arrays or abstract)."""
-    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    """Restore target: shapes, dtypes and shardings of ``tree`` (arrays or abstract).
+
+    A leaf without a sharding (``jax.eval_shape``'s) is read onto this process's first device:
+    left to orbax, it would take the sharding the checkpoint was saved with, which names the
+    saving run's devices (a run on 8 GPUs could then be exported only on 8 GPUs)."""
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def target(leaf):
+        leaf = ocp.utils.to_shape_dtype_struct(leaf)
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=here)
+        return leaf
+
+    return jax.tree.map(target, tree)
 
 
 _READ_ERRORS = ("Encountered error while reading", "Event loop is closed")
