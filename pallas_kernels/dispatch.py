@@ -36,6 +36,7 @@ __all__ = [
     "hopper_gpu",
     "multi_device_mesh",
     "resolve",
+    "unseen_sharding",
 ]
 
 AUTO_USES_KERNEL: dict[str, bool] = {
@@ -98,12 +99,18 @@ def hopper_gpu(devices=None) -> bool:
     return bool(devices) and all(_is_hopper(d) for d in devices)
 
 
-def resolve(kernels: str, family: str) -> str:
+def resolve(kernels: str, family: str, *, placed: bool = False) -> str:
     """Maps a ``kernels=`` option to ``"pallas"``, ``"interpret"`` or ``"reference"``.
+
+    ``"auto"`` keeps the reference where :func:`unseen_sharding` (more than one device, no
+    mesh in context): the arrays may be split by ``jit``'s shardings, which a kernel's call
+    cannot see, and XLA would gather them whole around it.
 
     Args:
       kernels: one of :data:`KERNEL_OPTIONS`.
       family: a key of :data:`AUTO_USES_KERNEL`.
+      placed: the caller knows where its arrays are and sets the mesh before it traces
+        (``train.py``'s optimizer, built before ``jax.set_mesh``): no unseen sharding.
 
     Raises:
       ValueError: an unknown option or family, or ``"pallas"`` off a Hopper GPU.
@@ -116,9 +123,18 @@ def resolve(kernels: str, family: str) -> str:
         raise ValueError("kernels='pallas' needs a Hopper GPU; use 'auto' or 'interpret'")
     if kernels == "auto":
         sharded = family in AUTO_ONE_DEVICE and multi_device_mesh() is not None
-        use_kernel = AUTO_USES_KERNEL[family] and hopper_gpu() and not sharded
+        unseen = not placed and unseen_sharding()
+        use_kernel = AUTO_USES_KERNEL[family] and hopper_gpu() and not (sharded or unseen)
         return "pallas" if use_kernel else "reference"
     return kernels
+
+
+def unseen_sharding() -> bool:
+    """Whether arrays may be sharded where a kernel cannot see it: no mesh in context
+    (``jax.set_mesh``) while the program spans more than one device. Under ``jit`` with
+    ``in_shardings`` alone a Pallas call gets whole arrays (XLA all-gathers them first: an
+    FSDP state would be gathered on every device)."""
+    return jax.sharding.get_abstract_mesh().empty and jax.device_count() > 1
 
 
 def multi_device_mesh():

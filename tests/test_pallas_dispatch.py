@@ -153,6 +153,25 @@ def test_auto_keeps_one_device_families_off_under_a_mesh(devices, monkeypatch, f
     assert dispatch.resolve("pallas", family) == "pallas"
 
 
+@pytest.mark.parametrize("family", sorted(dispatch.AUTO_USES_KERNEL))
+def test_auto_keeps_the_reference_where_sharding_is_unseen(devices, monkeypatch, family):
+    """On several devices with no mesh in context, ``jit``'s shardings are invisible to a
+    kernel (XLA would gather its operands whole), so ``auto`` keeps the reference; a mesh in
+    context (any size) or a caller that places its arrays itself (``placed``) lifts that."""
+    devices("gpu", [H200])
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, family, True)
+    monkeypatch.setattr(dispatch.jax, "device_count", lambda *_: 8)
+    assert dispatch.unseen_sharding()
+    assert dispatch.resolve("auto", family) == "reference"
+    assert dispatch.resolve("auto", family, placed=True) == "pallas"
+    assert dispatch.resolve("pallas", family) == "pallas"  # by name it runs
+    with jax.set_mesh(jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])):
+        assert not dispatch.unseen_sharding()
+        assert dispatch.resolve("auto", family) == "pallas"
+    monkeypatch.setattr(dispatch.jax, "device_count", lambda *_: 1)
+    assert dispatch.resolve("auto", family) == "pallas"
+
+
 def test_optimizer_routes_through_the_rule(devices, monkeypatch):
     """``scale_by_fp8_adam(kernels="auto")`` runs the moment kernel exactly where the rule
     says (the kernel is replaced by a marker here: no GPU is needed to see the choice)."""
@@ -174,6 +193,16 @@ def test_optimizer_routes_through_the_rule(devices, monkeypatch):
     monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", False)
     update()
     assert ran == [(4, 256)]
+    monkeypatch.setitem(dispatch.AUTO_USES_KERNEL, "adam_step", True)
+    monkeypatch.setattr(dispatch.jax, "device_count", lambda *_: 8)  # no mesh: maybe sharded
+    update()
+    assert ran == [(4, 256)]
+    with jax.set_mesh(jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])):
+        opt = coat_jax.scale_by_fp8_adam(min_size=0, kernels="auto")  # built under a mesh ...
+        state = opt.init(params)
+    jax.eval_shape(opt.update, params, state)  # ... traced where it is not: still not run
+    assert ran == [(4, 256)]
+    monkeypatch.setattr(dispatch.jax, "device_count", lambda *_: 1)
     devices("cpu", [FakeDevice("cpu", None, "cpu")])
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         coat_jax.fp8_adamw(1e-3, kernels="pallas")

@@ -179,6 +179,8 @@ def scale_by_fp8_adam(
                     f"{mesh.size}-device mesh yet (it is not shard_map-wrapped); use 'reference'"
                 )
             run_kernel = False  # "auto": the XLA path, which the partitioner shards
+        elif use_kernel and kernels == "auto" and dispatch.unseen_sharding():
+            run_kernel = False  # built under a mesh, traced outside it: see dispatch.resolve
         count_inc = optax.safe_increment(state.count)
         coeffs = adam.coefficients(b1, b2, eps, eps_root, count_inc)
         next_bc1 = adam.coefficients(b1, b2, eps, eps_root, optax.safe_increment(count_inc)).bc1

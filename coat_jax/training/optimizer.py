@@ -139,7 +139,8 @@ def make_fused_update(setup: OptimizerSetup, placement=None) -> Callable | None:
     everything comes back unchanged (the kernel's skipped programs touch nothing: no copy
     of the old state is kept for a select).
     """
-    if setup.name != "fp8_adamw" or dispatch.resolve(setup.kernels, "adam_update") == "reference":
+    mode = dispatch.resolve(setup.kernels, "adam_update", placed=placement is not None)
+    if setup.name != "fp8_adamw" or mode == "reference":
         return None
     specs = None
     if placement is not None and placement.mesh.size > 1:
