@@ -24,6 +24,8 @@ Wrap the optimizer in ``optax.apply_if_finite`` to skip non-finite steps entirel
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -61,6 +63,32 @@ def _check_float_leaves(tree, what: str) -> None:
                 f"{what} {jax.tree_util.keystr(path) or '(root)'} has dtype {leaf.dtype}; "
                 "fp8 Adam needs floating-point leaves"
             )
+
+
+def _check_group_shards(tree, group_size: int, quantized) -> None:
+    """Raises a one-line ``ValueError`` for a quantized leaf whose last axis is sharded with
+    explicit axes (``jax.sharding.AxisType.Explicit``: the sharding is in the array's type)
+    into shards that do not hold whole groups: splitting the axis into groups is then a
+    reshape jax cannot type. Auto axes (no sharding in the type) reshard instead."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if leaf.ndim == 0 or not quantized(leaf):
+            continue
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if len(spec) < leaf.ndim or spec[leaf.ndim - 1] is None:
+            continue
+        axes = spec[leaf.ndim - 1]
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        shards = math.prod(sharding.mesh.shape[a] for a in axes)
+        n_groups, size = quant.group_layout(leaf.shape[-1], group_size)
+        if n_groups * size == leaf.shape[-1] and n_groups % shards == 0:
+            continue
+        raise ValueError(
+            f"param {jax.tree_util.keystr(path) or '(root)'}: its last axis ({leaf.shape[-1]}) "
+            f"is split over mesh axes {axes} (explicit) into {shards} shards, which do not hold "
+            f"whole FP8 groups ({n_groups} of {size}); shard another axis, choose a group_size "
+            "whose groups fit the shards, or use Auto mesh axes"
+        )
 
 
 def scale_by_fp8_adam(
@@ -146,6 +174,9 @@ def scale_by_fp8_adam(
 
     def init_fn(params):
         _check_float_leaves(params, "param")
+        _check_group_shards(
+            params, group_size, lambda p: quantized(p, mu_fmt) or quantized(p, nu_fmt)
+        )
 
         def codes(p, fmt, raw_dtype):
             if quantized(p, fmt):
