@@ -193,6 +193,19 @@ def test_batch_must_divide_over_the_mesh(tmp_path):
     assert proc.returncode != 0 and "divide over mesh data x fsdp = 8" in out, out[-2000:]
 
 
+def test_a_tensor_axis_must_divide_the_heads(tmp_path):
+    """llama_tiny has 4 heads, 2 of them key/value: tensor=4 would split each key/value
+    head's columns in two (it trained, silently resharding around attention)."""
+    proc = launch(tmp_path / "run", (2, 1, 4), "--config.batch_size=8")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-2000:]
+    assert out.strip().splitlines()[-1] == (
+        "train.py: config.mesh.tensor=4 must divide config.model.n_heads=4 and its key/value "
+        "heads (2): heads are split whole over the tensor axis"
+    ), out[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path):
     """A scheduler that signals only one process: both agree on the step (an any-reduction

@@ -119,7 +119,8 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
 
     Raises:
       ValueError: naming the config key that cannot be built (vocabulary smaller than the
-        tokenizer's, a mesh that does not fit the devices, a batch that does not split).
+        tokenizer's, a mesh that does not fit the devices, a tensor axis that does not
+        divide the heads, a batch that does not split).
     """
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
@@ -136,6 +137,12 @@ def assemble(config: ml_collections.ConfigDict, *, devices=None) -> Run:
         mesh = sharding.make_mesh(**config.mesh, devices=devices)
     except ValueError as e:
         raise ValueError(f"config.mesh: {e}") from None
+    tensor = mesh.shape["tensor"]
+    if model.n_heads % tensor or model.kv_heads % tensor:  # else a head's columns split
+        raise ValueError(
+            f"config.mesh.tensor={tensor} must divide config.model.n_heads={model.n_heads} and "
+            f"its key/value heads ({model.kv_heads}): heads are split whole over the tensor axis"
+        )
     placement = parallel.make_placement(mesh, params, optimizer.tx)
     if config.batch_size != -1:
         micro = config.batch_size // config.grad_accum
