@@ -116,6 +116,7 @@ def main(argv, allocator_set: dict) -> None:
             corpus = data.load_corpus(config, run.tokenizer)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"train.py: config.data: {e}")
+    new_workdir = not os.path.exists(config.workdir)
     os.makedirs(config.workdir, exist_ok=True)
     if from_weights:
         log(f"config.model from config.init_from={config.init_from}: {'; '.join(from_weights)}")
@@ -139,12 +140,23 @@ def main(argv, allocator_set: dict) -> None:
             try:
                 largest = planner.largest_batch(run)
             except ValueError as e:
-                sys.exit(f"train.py: config.batch_size=-1: {e}")
+                refuse(ckpt, f"train.py: config.batch_size=-1: {e}", new_workdir)
             if not largest.batch_size:
-                sys.exit(f"train.py: config.batch_size=-1: no batch fits; {largest.describe()}")
+                refuse(ckpt, f"train.py: config.batch_size=-1: no batch fits; "
+                             f"{largest.describe()}", new_workdir)  # fmt: skip
             log(largest.describe())
             config.batch_size = largest.batch_size
         train(run, ckpt, start, data.make_sampler(config, run.tokenizer, corpus), samples)
+
+
+def refuse(ckpt, message: str, new_workdir: bool = False):
+    """Exits with ``message`` before training, removing the checkpoint folder this run's
+    Checkpointer made, and the workdir if this run made it, where they are still empty (a
+    refused start leaves the disk as it found it)."""
+    for folder in (ckpt.directory, os.path.dirname(ckpt.directory))[: 1 + new_workdir]:
+        with contextlib.suppress(OSError):  # not empty (or not there): kept
+            os.rmdir(folder)
+    sys.exit(message)
 
 
 def saved_config(ckpt, step: int, workdir: str) -> dict | None:
@@ -174,11 +186,10 @@ def resume_point(run, ckpt) -> int | None:
                      f"{latest}); pass --config.resume=True to continue that run or choose "
                      "another --config.workdir")  # fmt: skip
         if os.path.exists(metrics_path):
-            with contextlib.suppress(OSError):  # the empty folder this run's Checkpointer made
-                os.rmdir(ckpt.directory)
-            sys.exit(f"train.py: {metrics_path} holds an earlier run's metrics (no checkpoint "
-                     "to resume); pass --config.resume=True to start over in this workdir "
-                     "(they are kept aside) or choose another --config.workdir")  # fmt: skip
+            refuse(ckpt, f"train.py: {metrics_path} holds an earlier run's metrics (no "
+                         "checkpoint to resume); pass --config.resume=True to start over in "
+                         "this workdir (they are kept aside) or choose another "
+                         "--config.workdir")  # fmt: skip
         return None
     if latest is None:
         return None

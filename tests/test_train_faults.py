@@ -530,6 +530,20 @@ def test_an_earlier_runs_metrics_are_not_overwritten(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no empty checkpoints/ left
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU reports no memory limit")
+def test_a_refused_batch_search_leaves_no_folders(tmp_path):
+    """batch_size=-1 with no memory limit to plan against: one line, and neither the
+    checkpoint folder nor a workdir this run made is left behind (a folder that was there
+    stays)."""
+    for workdir, existed in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        if existed:
+            workdir.mkdir()
+        out = train(workdir, "--config.batch_size=-1")
+        assert_one_line_error(out, "config.batch_size=-1: the largest batch needs a device "
+                                   "memory limit")  # fmt: skip
+        assert workdir.exists() is existed and (not existed or not os.listdir(workdir))
+
+
 def test_out_of_memory_in_the_loop_is_one_line_after_the_checkpoints_are_written():
     """train.py's loop guard: RESOURCE_EXHAUSTED ends the run with one line (what to try next)
     once the checkpoints being written are complete; any other runtime error propagates."""
