@@ -144,6 +144,10 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
     interpret = not dispatch.hopper_gpu()
+    if interpret and args.rows * args.cols > 2**20:
+        print(f"adam_ablation.py: the kernels run interpreted on {jax.default_backend()}: "
+              f"{args.rows}x{args.cols} takes minutes (--rows 16 --cols 256: a quick look)",
+              flush=True)  # fmt: skip
     _, make, nbytes = kernel_cases(args.rows, args.cols, interpret)[CASE]
     median_ms = lambda step, carry: measure.time_loop(step, carry, iters=args.iters,
                                                       inner=args.inner)[0].median_ms  # fmt: skip

@@ -116,6 +116,9 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         parser.error(f"--shapes {args.shapes!r}: expected MxKxN[,MxKxN...] of positive ints")
+    if jax.default_backend() != "gpu" and max(m * k * n for m, k, n in shapes) > 2**30:
+        print(f"fp8_epilogue.py: these shapes take minutes on {jax.default_backend()} "
+              "(--shapes 256x256x256: a quick look)", flush=True)  # fmt: skip
     print("| MxKxN | pattern | cuBLASLt FP8 output | fusions beside it | ms | TFLOP/s | rel. error "
           "vs fp64 |\n|---|---|---|---|---|---|---|")  # fmt: skip
     rows = run(shapes, args.iters)

@@ -27,6 +27,7 @@ import numpy as np
 
 from coat_jax.core import measure
 from coat_jax.core.quant import QuantizedArray, dequantize
+from pallas_kernels import dispatch
 from pallas_kernels import fp8_matmul as fm
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (8192, 8192, 8192)]
@@ -214,6 +215,9 @@ def main():
                         help="JSON list of {variant, GemmConfig fields}: one forced column "
                         "'Pallas <variant> cfg<i>' each")  # fmt: skip
     args = parser.parse_args()
+    if not dispatch.hopper_gpu():
+        raise SystemExit(f"gemm.py: times cuBLASLt and the Pallas wgmma GEMMs on a Hopper GPU; "
+                         f"this backend is {jax.default_backend()}")  # fmt: skip
     try:
         extra = parse_configs(args.configs) if args.configs else []
     except (ValueError, TypeError) as e:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coat_jax.core.quant import dequantize
+from pallas_kernels import dispatch
 from pallas_kernels import fp8_matmul as fm
 
 
@@ -51,6 +52,9 @@ def cases(m=256, k=256, n=256):
 
 def main():
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not dispatch.hopper_gpu():
+        raise SystemExit(f"gemm_smoke.py: the Pallas FP8 GEMMs compile for a Hopper GPU only, "
+                         f"not {jax.default_backend()}")  # fmt: skip
     print("jax", jax.__version__, jax.devices(), flush=True)
     for name, run in cases().items():
         try:

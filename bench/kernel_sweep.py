@@ -115,6 +115,10 @@ def main(argv=None):
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     interpret = not dispatch.hopper_gpu()
+    if interpret and args.rows * args.cols > 2**20:
+        print(f"kernel_sweep.py: the kernels run interpreted on {jax.default_backend()}: "
+              f"{args.rows}x{args.cols} takes minutes (--rows 16 --cols 256: a quick look)",
+              flush=True)  # fmt: skip
     n = args.rows * args.cols
     median_ms = lambda step, carry: measure.time_loop(step, carry, iters=args.iters,
                                                       inner=args.inner)[0].median_ms  # fmt: skip

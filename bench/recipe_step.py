@@ -69,8 +69,12 @@ def step_ms(config: LlamaConfig, batch: int, seq_len: int) -> float:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: recipe_step.py {{{','.join(SIZES)}}} OUT.json VARIANT,..."
+    if argv in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__.strip()}\n\nvariants: {', '.join(VARIANTS)}")
+        return None
     if len(argv) != 3 or argv[0] not in SIZES:
-        raise SystemExit(f"usage: recipe_step.py {{{','.join(SIZES)}}} OUT.json VARIANT,...")
+        raise SystemExit(usage)
     size, out, names = argv[0], argv[1], argv[2].split(",")
     if unknown := sorted(set(names) - set(VARIANTS)):
         raise SystemExit(f"recipe_step.py: unknown variants {unknown}; known {list(VARIANTS)}")

@@ -128,6 +128,10 @@ def main(argv=None):
     d, f = (int(v) for v in args.dims.split(","))
     if min(args.tokens, d, f, args.iters) <= 0:
         raise SystemExit("bench/scaled_gemm.py: --tokens, --dims and --iters must be positive")
+    if jax.default_backend() != "gpu":
+        print(f"scaled_gemm.py: on {jax.default_backend()} the times say nothing of a GPU, and "
+              "the default shapes take minutes (--tokens 256 --dims 256,512: a quick look)",
+              flush=True)  # fmt: skip
     scalings = args.scalings.split(",")
     unknown = sorted(set(scalings) - set(SCALINGS))
     if unknown:
