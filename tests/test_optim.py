@@ -331,6 +331,15 @@ def test_non_float_params_and_grads_fail_with_the_leaf_named():
     state = opt.init({"w": jnp.ones(3)})
     with pytest.raises(TypeError, match=r"gradient \['w'\] has dtype int32"):
         opt.update({"w": jnp.ones(3, jnp.int32)}, state, {"w": jnp.ones(3)})
+    # the way the message names: masked, the integer leaf passes through untouched
+    params = {"w": jnp.ones(3), "steps": jnp.zeros(3, jnp.int32)}
+    floats = lambda tree: jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), tree)
+    masked = optax.masked(opt, floats)
+    grads = {"w": jnp.ones(3), "steps": jnp.ones(3, jnp.int32)}
+    updates, _ = masked.update(grads, masked.init(params), params)
+    want, _ = opt.update({"w": grads["w"]}, opt.init({"w": params["w"]}), {"w": params["w"]})
+    np.testing.assert_array_equal(updates["w"], want["w"])
+    np.testing.assert_array_equal(updates["steps"], grads["steps"])
 
 
 @pytest.mark.parametrize("expansion", [True, False])

@@ -61,7 +61,8 @@ def _check_float_leaves(tree, what: str) -> None:
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(
                 f"{what} {jax.tree_util.keystr(path) or '(root)'} has dtype {leaf.dtype}; "
-                "fp8 Adam needs floating-point leaves"
+                "fp8 Adam needs floating-point leaves (keep others out of the params, or "
+                "wrap the optimizer in optax.masked)"
             )
 
 
