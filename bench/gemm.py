@@ -215,9 +215,6 @@ def main():
                         help="JSON list of {variant, GemmConfig fields}: one forced column "
                         "'Pallas <variant> cfg<i>' each")  # fmt: skip
     args = parser.parse_args()
-    if not dispatch.hopper_gpu():
-        raise SystemExit(f"gemm.py: times cuBLASLt and the Pallas wgmma GEMMs on a Hopper GPU; "
-                         f"this backend is {jax.default_backend()}")  # fmt: skip
     try:
         extra = parse_configs(args.configs) if args.configs else []
     except (ValueError, TypeError) as e:
@@ -230,6 +227,9 @@ def main():
     except ValueError:
         raise SystemExit(f"gemm.py: --shapes {args.shapes!r}: expected 'all' or MxKxN,..."
                          ) from None  # fmt: skip
+    if not dispatch.hopper_gpu():
+        raise SystemExit(f"gemm.py: times cuBLASLt and the Pallas wgmma GEMMs on a Hopper GPU; "
+                         f"this backend is {jax.default_backend()}")  # fmt: skip
     time_fn = timer(args.iters, args.inner)
     table = variants(args.block_configs, extra)
     if args.only:
