@@ -7,7 +7,8 @@
 # on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300 TFLOP/s: the block-scaled kernel since its
 # tile-loop refactor of 2026-12-05 has run only on an H100, 1,209), then PART=51 (issue 24's 7B
 # table, with the LM head change and the fused kernels under auto); on either GPU, PART=52 (the
-# block with every FP8 GEMM on Pallas). PART=54 ran on an H100 on 2026-12-07. Result names
+# block with every FP8 GEMM on Pallas) and PART=55 (the same with the weight-gradient barrier).
+# PART=54 ran on an H100 on 2026-12-07. Result names
 # carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
 # fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
 # --fsdp 2 --batch 8 --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm`.
@@ -183,6 +184,9 @@
 #                                      train.py before (baseline/, carried) and after, BF16, COAT
 #   PART=54 bash bench/pending_gpu.sh  issue 24: Llama-114M's step by op (and HLO), BF16,
 #                                      FP8-linear, COAT as auto runs it
+#   PART=55 bash bench/pending_gpu.sh  issue 24: one 7B block, COAT on Pallas GEMMs with the
+#                                      weight-gradient operands behind a barrier (after) and
+#                                      without (baseline/, carried), COAT, FP8-linear, BF16
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -237,10 +241,12 @@ train_114m() {  # script, precision, metrics name, train.py flags...: Llama-114M
   cp /tmp/train_114m/metrics.jsonl "$OUT/$name" 2>/dev/null
 }
 
-layer_row() {  # round, policy, jsonl name, timeout: one 7B block (bench/layer.py) as one JSON
-  # line tagged with its round, appended to $OUT/<jsonl name>
-  timeout "$4" $PY bench/layer.py --policy "$2" 2>&1 | tail -1 \
-    | sed "s/^{/{\"round\": $1, /" | tee -a "$OUT/$3" | cut -c1-110
+layer_row() {  # round, policy, jsonl name, timeout[, tree]: one 7B block (bench/layer.py of
+  # tree: . or baseline/, carried, whose packages then come first) as one JSON line tagged with
+  # its round and tree, appended to $OUT/<jsonl name>
+  local tree=${5:-.} path="${PYTHONPATH//$PWD/$PWD/${5:-.}}"
+  (cd "$tree" && PYTHONPATH="$path" timeout "$4" $PY bench/layer.py --policy "$2" 2>&1) | tail -1 \
+    | sed "s/^{/{\"round\": $1, \"tree\": \"$tree\", /" | tee -a "$OUT/$3" | cut -c1-130
 }
 
 policy_optimizer() {  # precision -> the optimizer it trains with in the issues' tables
@@ -256,6 +262,21 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+55)
+  # issue 24: the weight-gradient GEMMs' operands materialized before their K-major copies
+  # (22d6192): one 7B block per row, COAT with every FP8 GEMM on Pallas after and before
+  # (baseline/, carried: mkdir baseline && git archive 22d6192~1 coat_jax pallas_kernels bench
+  # | tar -x -C baseline), COAT as auto runs it, FP8-linear, BF16; ROUNDS=2: again, reversed
+  [ -f baseline/bench/layer.py ] || { echo "PART=55 needs baseline/"; exit 1; }
+  rows="coat+pallas_gemm:. coat+pallas_gemm:baseline coat:. fp8_linear:. bf16:."
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    [ "$round" = 2 ] && rows="fp8_linear:. coat:. coat+pallas_gemm:baseline coat+pallas_gemm:."
+    for row in $rows; do
+      layer_row "$round" "${row%%:*}" "layer_kmajor_barrier_${CARD}_$DAY.jsonl" 90 "${row#*:}"
+      echo "-- ${SECONDS}s"
+    done
+  done
+  ;;
 54)
   # issue 24's 114M target: Llama-114M's step by op with its HLO, BF16, FP8-linear and COAT as
   # train.py runs them (fused kernels under auto), one archive: what COAT still spends there
