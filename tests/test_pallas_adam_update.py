@@ -73,13 +73,21 @@ def fused_step(kernels, params, grads, state, lr=LR, clip=1.0):
 
 def assert_params_close(got, want, params, grad_dtype):
     """fp32 gradients: equal to fp32 rounding. bf16: the chain rounds ``u`` (and ``lr u`` where
-    undecayed) to bf16, which XLA may skip (xla_allow_excess_precision), so one bf16 step of the
-    largest update is allowed there: 2^-7 |u| at most (8 significant bits)."""
+    undecayed) to bf16, which XLA may skip (xla_allow_excess_precision), and the two fp32 ``u``
+    (the same math in another order) may sit on either side of a bf16 tie, so one bf16 step of
+    ``u`` and one of ``lr u`` are allowed there: 2^-7 + 2^-7 of each element's ``lr u`` (8
+    significant bits). One step of the largest update, the bound until 2026-12-07, failed once
+    in a clean-clone run (1.1x it, one element of 3,072, the undecayed leaf)."""
     for k in SHAPES:
-        update = np.abs(np.asarray(want[k]) - np.asarray(params[k])).max()
-        assert update > 1e-4  # the step did something to check
-        atol = 2.0**-7 * update if grad_dtype == jnp.bfloat16 else 1e-6 * LR
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=atol, err_msg=k)
+        update = np.abs(np.asarray(want[k]) - np.asarray(params[k]))
+        assert update.max() > 1e-4  # the step did something to check
+        if grad_dtype == jnp.bfloat16:
+            lr_u = update + LR * WD * np.abs(np.asarray(params[k]))  # >= |lr u|, decayed too
+            error = np.abs(np.asarray(got[k]) - np.asarray(want[k]))
+            excess = error - (2.0**-6 * lr_u + 1e-6 * LR)
+            assert excess.max() <= 0, (k, error.flat[excess.argmax()], update.flat[excess.argmax()])
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6 * LR, err_msg=k)
 
 
 def assert_states_close(got, want, exact: bool):
