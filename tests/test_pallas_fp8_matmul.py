@@ -141,8 +141,11 @@ def test_weight_gradient_operands_are_materialized_before_their_transposes(monke
         call = lambda a, b: fm.fp8_dot_general(a, b, 1.0, contract, jnp.bfloat16, autotune=False)
         eqns = jax.make_jaxpr(call)(a, b).jaxpr.eqns
         fenced = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
-        return [(e.primitive.name, all(v in fenced for v in e.invars))
-                for e in eqns if e.primitive.name in ("optimization_barrier", "transpose")]
+        return [
+            (e.primitive.name, all(v in fenced for v in e.invars))
+            for e in eqns
+            if e.primitive.name in ("optimization_barrier", "transpose")
+        ]
 
     assert ops((0, 0), (256, 128), (256, 384)) == [("optimization_barrier", False)] * 2 + [
         ("transpose", True)] * 2  # fmt: skip
