@@ -18,6 +18,7 @@ from pallas_kernels import fused_quantize as fq
 
 E4M3 = get_format("e4m3")
 FORMATS = dict(saved_fmt=E4M3, group=16, operand_fmt=E4M3)
+EPS = 1e-5  # the norms' epsilon in op_cases and exact_output
 REFERENCE, INTERPRET = Fp8Recipe(fused_quantize="reference"), Fp8Recipe(fused_quantize="interpret")
 
 
@@ -50,10 +51,13 @@ def assert_same(got, want, y=None, tol=None):
 
 
 def near_bf16_midpoint(y, tol):
-    """Where ``y`` (float64) lies within ``tol`` (absolute, per element) of a BF16 midpoint."""
-    lo = np.asarray(y.astype(jnp.bfloat16), np.float64)  # a BF16 neighbour of y
-    ulp = np.abs(np.spacing(lo.astype(jnp.bfloat16)).astype(np.float64))
-    mids = np.stack([lo - ulp / 2, lo + ulp / 2])
+    """Where ``y`` (float64) lies within ``tol`` (absolute, per element) of a BF16 midpoint:
+    halfway from its nearest BF16 number to either neighbour (one code apart, so the gap
+    below a power of two is half the gap above)."""
+    bits = y.astype(jnp.bfloat16).view(np.uint16)
+    value = lambda b: b.view(jnp.bfloat16).astype(np.float64)
+    one = np.uint16(1)
+    mids = np.stack([(value(bits) + value(b)) / 2 for b in (bits - one, bits + one)])
     return np.any(np.abs(y - mids) <= tol, axis=0)
 
 
@@ -64,17 +68,17 @@ def exact_output(op, inputs, extras):
     x = np.asarray(inputs[0], np.float64)
     n, u = x.shape[-1], 2.0**-24
     if op == "rms":
-        y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * np.asarray(extras[0])
+        y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * np.asarray(extras[0])
         return y, n * u * np.abs(y)
     centred = x - np.mean(x, -1, keepdims=True)
-    rstd = 1 / np.sqrt(np.mean(centred * centred, -1, keepdims=True) + 1e-5)
+    rstd = 1 / np.sqrt(np.mean(centred * centred, -1, keepdims=True) + EPS)
     y = centred * rstd
     return y, n * u * (np.abs(y) + np.max(np.abs(x), -1, keepdims=True) * rstd)
 
 
 def op_cases():
-    rms = lambda xd, s: norm_fp32(xd, s, 1e-5, "rms").astype(jnp.bfloat16)
-    layer = lambda xd: norm_fp32(xd, None, 1e-5, "layer").astype(jnp.bfloat16)
+    rms = lambda xd, s: norm_fp32(xd, s, EPS, "rms").astype(jnp.bfloat16)
+    layer = lambda xd: norm_fp32(xd, None, EPS, "layer").astype(jnp.bfloat16)
     swiglu = lambda g, u: swiglu_fp32(g, u).astype(jnp.bfloat16)
     return {"rms": (rms, 1, 1, True), "layer": (layer, 1, 0, True), "swiglu": (swiglu, 2, 0, False)}
 
