@@ -5,11 +5,13 @@
 
 Kernels: the fused FP8 Adam moment step (``adam_step``, candidates from
 ``adam_step.tuning_candidates()``), the full-fusion AdamW update (``adam_update``, same
-candidates) and the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``; on a
+candidates), the per-group quantize at 1x16 and 1x128 (``quantize_tuning_candidates()``; on a
 Hopper GPU also the Mosaic GPU kernel, ``quantize_mgpu.mgpu_tuning_candidates()``), on one
-``(rows, cols)`` fp32 tensor. Each candidate: median over --iters samples of the mean of --inner
-back-to-back launches (``coat_jax.core.measure.time_loop``), state fed forward and donated (as
-in a training loop), so the update kernel's in-place aliasing is what is timed. GB/s counts each
+``(rows, cols)`` fp32 tensor, and the per-tensor quantize into both layouts of that tensor in
+bf16 to E5M2, as a backward's output gradient (``transpose_tuning_candidates()``). Each
+candidate: median over --iters samples of the mean of --inner back-to-back launches
+(``coat_jax.core.measure.time_loop``), state fed forward and donated (as in a training loop),
+so the update kernel's in-place aliasing is what is timed. GB/s counts each
 input read once and each output written once; "of copy" relates it to a device copy of the same
 fp32 tensor (read + write). A candidate that fails to compile is recorded with its error and
 skipped. Off a GPU the kernels run in interpret mode (times meaningless; the point is that the
@@ -69,6 +71,11 @@ def kernel_cases(rows: int, cols: int, interpret: bool):
 
         return make
 
+    def transpose_step(tuning):  # a backward's output gradient: bf16 in, E5M2 in both layouts
+        fn = lambda x: (kq.quantize_transpose_per_tensor(x, 4.0, "e5m2", tuning=tuning,
+                                                         interpret=interpret), x)[::-1]  # fmt: skip
+        return jax.jit(lambda c: fn(c[0])), (g.astype(jnp.bfloat16), None)
+
     def mgpu_quantize_step(group):
         def make(tuning):
             fn = lambda x: (km.quantize_per_group_mgpu(x, "e4m3", group, tuning=tuning), x)[::-1]
@@ -94,6 +101,11 @@ def kernel_cases(rows: int, cols: int, interpret: bool):
             quantize_step(group),
             5 * n + n // group * 4,
         )
+    cases["quantize + transpose bf16 -> e5m2"] = (
+        kq.transpose_tuning_candidates(),
+        transpose_step,
+        4 * n,  # 2 bytes read, 1 + 1 written
+    )
     if not interpret:  # the Mosaic GPU kernel has no interpret mode: timed on a Hopper GPU only
         for group in (16, 128):
             cases[f"quantize per-group 1x{group} fp32, Mosaic GPU"] = (

@@ -50,6 +50,8 @@ VARIANTS = {
                                                         fused_backward="pallas")),  # fmt: skip
     "coat+all_fused+fused_backward": ("coat", Fp8Recipe(fused_quantize="pallas", fused_mlp="pallas",
                                                         fused_backward="pallas")),  # fmt: skip
+    "fp8_linear+grad_transpose": ("fp8_linear", Fp8Recipe(grad_transpose="pallas")),
+    "coat+grad_transpose": ("coat", Fp8Recipe(grad_transpose="pallas")),
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
@@ -59,8 +61,10 @@ written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's G
 and with ``gemm='auto'``); SwiGLU's and the norms' backwards as one pass each over their FP8-saved
 inputs (``--backward``:
 ``Fp8Recipe.fused_backward``, alone, with the fused MLP, and with it and the fused quantize
-kernels). Since 2026-12-06 ``auto`` runs the fused MLP and backward on one Hopper GPU, so the
-``coat`` row and the rows that name neither run them; ``coat+unfused`` is COAT without them."""
+kernels); each output gradient's E5M2 codes in both layouts from one Pallas pass
+(``--transpose``: ``Fp8Recipe.grad_transpose``). Since 2026-12-06 ``auto`` runs the fused MLP
+and backward on one Hopper GPU, so the ``coat`` row and the rows that name neither run them;
+``coat+unfused`` is COAT without them."""
 
 
 def run_policy(args) -> dict:
@@ -136,6 +140,9 @@ def main():
     parser.add_argument("--backward", action="store_true",
                         help="add rows: COAT with Fp8Recipe(fused_backward='pallas'), alone, "
                         "with fused_mlp='pallas', and with it and fused_quantize='pallas'")
+    parser.add_argument("--transpose", action="store_true",
+                        help="add rows: fp8_linear and COAT with Fp8Recipe(grad_transpose="
+                        "'pallas')")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:
@@ -147,7 +154,8 @@ def main():
              or (args.gemm and v.endswith("gemm"))
              or (args.product and v.endswith("product"))
              or (args.mlp and "fused_mlp" in v and "backward" not in v)
-             or (args.backward and v.endswith("fused_backward"))]  # fmt: skip
+             or (args.backward and v.endswith("fused_backward"))
+             or (args.transpose and v.endswith("grad_transpose"))]  # fmt: skip
     if extra:  # COAT without the kernels auto runs, beside the rows that vary them
         extra.insert(0, "coat+unfused")
     for policy in ("bf16", "fp8_linear", "coat", *extra):

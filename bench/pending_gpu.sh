@@ -187,6 +187,10 @@
 #   PART=55 bash bench/pending_gpu.sh  issue 24: one 7B block, COAT on Pallas GEMMs with the
 #                                      weight-gradient operands behind a barrier (after) and
 #                                      without (baseline/, carried), COAT, FP8-linear, BF16
+#   PART=56 bash bench/pending_gpu.sh  issue 24: the output gradients' E5M2 codes in both layouts
+#                                      from one Pallas pass (Fp8Recipe.grad_transpose): compiled
+#                                      tests, the kernel's tiles at the step's shapes, one 7B
+#                                      block per row with and without it (COAT, FP8-linear)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -262,6 +266,28 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+56)
+  # issue 24: each output gradient's E5M2 codes in both layouts from one Pallas pass
+  # (Fp8Recipe.grad_transpose; XLA's fusions moved 1.4-1.7 TB/s there, 1.9 ms a 7B layer at
+  # batch 8): one 7B block per row with and without it (ROUNDS=2: again, reversed), then the
+  # compiled tests and the kernel's tiles at the 7B step's gradient shapes (batch 4)
+  rows="coat coat+grad_transpose fp8_linear fp8_linear+grad_transpose"
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    [ "$round" = 2 ] && rows="fp8_linear+grad_transpose fp8_linear coat+grad_transpose coat"
+    for row in $rows; do
+      layer_row "$round" "$row" "layer_grad_transpose_${CARD}_$DAY.jsonl" 90
+      echo "-- ${SECONDS}s"
+    done
+  done
+  echo "== quantize + transpose: compiled tests"
+  timeout 150 $PY -m pytest -q tests/test_grad_transpose.py tests/test_pallas_quantize.py \
+    -k "transpose or gradients_equal" 2>&1 | tail -3
+  for cols in 4096 11008; do
+    echo "== quantize + transpose tiles, 8192 x $cols bf16 -> e5m2"
+    timeout 120 $PY bench/kernel_sweep.py --rows 8192 --cols $cols --kernels transpose \
+      --json "$OUT/kernel_sweep_transpose_8192x${cols}_${CARD}_$DAY.json" 2>&1 | tail -1
+  done
+  ;;
 55)
   # issue 24: the weight-gradient GEMMs' operands materialized before their K-major copies
   # (22d6192): one 7B block per row, COAT with every FP8 GEMM on Pallas after and before

@@ -70,11 +70,17 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     # (AUTO_ONE_DEVICE).
     "fused_mlp": True,
     "fused_backward": True,
+    # Each output gradient's E5M2 codes in both layouts from one pass
+    # (pallas_kernels.quantize.quantize_transpose_per_tensor, Fp8Recipe.grad_transpose): XLA's
+    # fusions doing it in a 2-layer 7B step at batch 8 (H100, 2026-12-06) moved 1.4-1.7 TB/s,
+    # 1.9 ms a layer; the kernel moved 2.24 TB/s stand-alone on an H200 (bf16 in, 8192^2,
+    # 2026-11-30). Not yet timed in a step: off until a GPU says it wins there.
+    "quantize_transpose": False,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
 Flip an entry only with a GPU measurement showing the kernel faster, and cite it above."""
 
-AUTO_ONE_DEVICE: frozenset[str] = frozenset({"fused_mlp", "fused_backward"})
+AUTO_ONE_DEVICE: frozenset[str] = frozenset({"fused_mlp", "fused_backward", "quantize_transpose"})
 """Families whose ``kernels="auto"`` picks the kernel only outside a multi-device mesh: their
 per-shard path (``shard_map``) is tested on virtual CPU devices against one device, but has
 not run on several GPUs; ``"pallas"`` runs it there by name."""

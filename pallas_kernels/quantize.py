@@ -39,6 +39,7 @@ from pallas_kernels.tiling import block_shape
 __all__ = [
     "QuantizeTuning",
     "quantize_tuning_candidates",
+    "transpose_tuning_candidates",
     "dequantize_per_group",
     "quantize_per_group",
     "quantize_per_tensor",
@@ -60,6 +61,14 @@ def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
     """The tunings ``bench/kernel_sweep.py`` times: tile rows x tile columns x warps."""
     grid = itertools.product((8, 32), (256, 512, 1024), (4, 8), (1,))
     return tuple(QuantizeTuning(*c) for c in grid)
+
+
+def transpose_tuning_candidates() -> tuple[QuantizeTuning, ...]:
+    """The tunings ``bench/kernel_sweep.py`` times for :func:`quantize_transpose_per_tensor`:
+    tiles whose transposed copy is not too narrow a row of 1-byte codes (rows x columns up to
+    128 x 512), x warps."""
+    grid = itertools.product((32, 64, 128), (64, 128, 256, 512), (4, 8), (1,))
+    return tuple(QuantizeTuning(*c) for c in grid if c[0] * c[1] <= 32768)
 
 
 def _blocks(rows: int, cols: int, group: int, tuning: QuantizeTuning) -> tuple[int, int] | None:

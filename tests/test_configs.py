@@ -89,7 +89,9 @@ def test_batch_size_minus_one_asks_for_the_largest_batch():
     configs.validate(config)  # no multiple of grad_accum to check yet
 
 
-@pytest.mark.parametrize("key", ["gemm", "fused_quantize", "fused_mlp", "fused_backward"])
+@pytest.mark.parametrize(
+    "key", ["gemm", "fused_quantize", "fused_mlp", "fused_backward", "grad_transpose"]
+)
 def test_pallas_off_a_hopper_gpu_is_refused_before_the_step(key):
     config = load_config("llama_tiny", {f"fp8.{key}": "pallas"})
     if hopper_gpu():

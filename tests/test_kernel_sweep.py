@@ -25,6 +25,7 @@ def test_sweep_smoke(tmp_path, monkeypatch):
         "adam_update (full AdamW, expansion)",
         "quantize per-group 1x16 fp32",
         "quantize per-group 1x128 fp32",
+        "quantize + transpose bf16 -> e5m2",
     }
     for name, kernel in report["kernels"].items():
         assert len(kernel["candidates"]) == 2, name

@@ -395,6 +395,57 @@ def test_fused_quantize_runs_on_each_shard_with_the_tensors_amax():
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
+GRAD_TRANSPOSE_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from coat_jax.core.recipe import Fp8Recipe
+    from coat_jax.ops import flow, sharding
+    from pallas_kernels import quantize as kq
+
+    P = jax.sharding.PartitionSpec
+    mesh = sharding.make_mesh(2, 2, 2)
+    k = jax.random.split(jax.random.key(int(np.random.default_rng().integers(2**31))), 4)
+    x = jax.random.normal(k[0], (8, 16, 128)).astype(jnp.bfloat16)
+    w1, w2 = (jax.random.normal(kk, (128, 128)) * 0.05 for kk in k[1:3])
+    cot = jax.random.normal(k[3], (8, 16, 128)).astype(jnp.bfloat16)
+    calls = []
+    kernel = kq.quantize_transpose_per_tensor
+    kq.quantize_transpose_per_tensor = lambda x, *a, **kw: calls.append(x.shape) or kernel(
+        x, *a, **kw)
+
+    def grads(recipe):
+        loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * cot)
+                              for o in flow.fp8_project(a[0], a[1:], recipe))
+        specs = (P(("data", "fsdp")), P("fsdp", "tensor"), P("fsdp", "tensor"))
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, s))
+                    for a, s in zip((x, w1, w2), specs)]
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+    got = grads(Fp8Recipe(grad_transpose="interpret"))
+    assert calls == [(32, 64)] * 2, calls  # each device's 32 tokens, its tensor half of N
+    want = grads(Fp8Recipe(grad_transpose="reference"))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    for g, w in zip(got[1:], want[1:]):  # the same products summed in another order (K = 128)
+        rel = float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+        assert rel <= 2 * 128**1.5 * 2.0**-24, rel
+    print("OK")
+    """
+)
+
+
+def test_output_gradients_are_quantized_in_both_layouts_on_each_shard():
+    """``fp8.grad_transpose`` under a 2x2x2 mesh of 8 virtual devices: the quantize-transpose
+    kernel (interpreted) runs on each device's tokens and MLP columns with the tensor's
+    ``amax``; the input gradient equals the XLA path's on the same mesh bit for bit, the weight
+    gradients to fp32 summation order."""
+    out = subprocess.run([sys.executable, "-c", GRAD_TRANSPOSE_SCRIPT], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
 SHARDED_GEMM_SCRIPT = textwrap.dedent(
     """
     import os

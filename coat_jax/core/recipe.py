@@ -50,6 +50,14 @@ field                  default    meaning
                                   shard under a mesh): ``auto`` (where measured faster,
                                   ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
                                   ``reference`` (the XLA ops)
+``grad_transpose``     ``auto``   each output gradient's FP8 GEMM operands (``grad_format``, per
+                                  tensor) in both layouts the backward's GEMMs read, row-major
+                                  for ``dx = dy W^T`` and K-major (``dy^T``) for ``dW = x^T dy``,
+                                  from one Pallas pass over ``dy``
+                                  (``pallas_kernels.quantize.quantize_transpose_per_tensor``;
+                                  per shard under a mesh): ``auto`` (where measured faster,
+                                  ``pallas_kernels.dispatch``), ``pallas``, ``interpret`` or
+                                  ``reference`` (XLA's quantize and transpose fusions)
 ``triton_gemm``        ``False``  let XLA compile dots as Triton fusions on a GPU
 ``saved_weights``      ``fp8``    what backward reads of per-tensor FP8 weights: ``fp8`` (the
                                   forward's codes, kept: 1 byte a parameter held from each
@@ -107,6 +115,7 @@ class Fp8Recipe:
     fused_quantize: str = "auto"
     fused_mlp: str = "auto"
     fused_backward: str = "auto"
+    grad_transpose: str = "auto"
     triton_gemm: bool = False
     saved_weights: str = "fp8"
 
@@ -131,7 +140,7 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.gemm_product={self.gemm_product!r}: expected one of {GEMM_PRODUCTS}"
             )
-        for name in ("fused_quantize", "fused_mlp", "fused_backward"):
+        for name in ("fused_quantize", "fused_mlp", "fused_backward", "grad_transpose"):
             if getattr(self, name) not in KERNEL_OPTIONS:
                 raise ValueError(
                     f"Fp8Recipe.{name}={getattr(self, name)!r}: expected one of {KERNEL_OPTIONS}"

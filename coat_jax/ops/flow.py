@@ -51,6 +51,7 @@ from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
 from pallas_kernels import dispatch, fp8_matmul, fused_backward, fused_quantize
+from pallas_kernels import quantize as quantize_kernels
 
 __all__ = [
     "fp8_gemm",
@@ -140,36 +141,84 @@ def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe, dout
     """
     if recipe.scaling != "tensor":
         return _scaled_backward(x_saved, w_saved, douts, w_dtypes, recipe)
-    dx, dyqs = _input_grads(w_saved, douts, recipe, dout_amaxes)
-    return dx, _weight_grads(x_saved, dyqs, w_dtypes, recipe)
+    dx, dy_operands = _input_grads(w_saved, douts, recipe, dout_amaxes)
+    return dx, _weight_grads(x_saved, dy_operands, w_dtypes, recipe)
 
 
 def _input_grads(w_saved, douts, recipe: Fp8Recipe, dout_amaxes=None):
-    """``(dx, (dy_i quantized, ...))`` of per-tensor projections ``y_i = x @ W_i``: ``dx =
-    sum_i dy_i @ W_i^T`` in the output gradients' dtype (summed in fp32 over several kernels),
-    and the output gradients in ``recipe.grad`` for the weight gradients
-    (:func:`_weight_grads`)."""
+    """``(dx, (dy_i's weight-gradient operand, ...))`` of per-tensor projections ``y_i = x @
+    W_i``: ``dx = sum_i dy_i @ W_i^T`` in the output gradients' dtype (summed in fp32 over
+    several kernels), and each output gradient in ``recipe.grad`` as :func:`_weight_grads`
+    reads it (:func:`_grad_operands`)."""
     w_saved = _weight_codes(w_saved, douts[0], recipe)
     dx_dtype = douts[0].dtype
     term_dtype = dx_dtype if len(w_saved) == 1 else jnp.float32
-    dx, dyqs = None, []
+    dx, wgrad_operands = None, []
     dout_amaxes = (None,) * len(douts) if dout_amaxes is None else dout_amaxes
     for wq, dy, dy_amax in zip(w_saved, douts, dout_amaxes, strict=True):
-        dyq = quantize(dy, recipe.grad, amax=dy_amax)
+        dyq, wgrad_operand = _grad_operands(dy, dy_amax, recipe)
         term = fp8_gemm(dyq, wq, contract=(-1, 1), out_dtype=term_dtype, recipe=recipe)
         dx = term if dx is None else dx + term
-        dyqs.append(dyq)
-    return dx.astype(dx_dtype), tuple(dyqs)
+        wgrad_operands.append(wgrad_operand)
+    return dx.astype(dx_dtype), tuple(wgrad_operands)
 
 
-def _weight_grads(x_saved, dyqs, w_dtypes, recipe: Fp8Recipe):
-    """``(x^T dy_i, ...)`` over all tokens of the per-tensor FP8 input and quantized output
-    gradients, each in its weight's dtype (:func:`fp8_gemm`'s ``partials_in_out_dtype``)."""
+def _grad_operands(dy, amax, recipe: Fp8Recipe):
+    r"""``(dy_q, (dy's codes as a matrix, its contracted axis))``: the output gradient ``dy
+    (..., N)`` quantized per tensor in ``recipe.grad`` with ``amax`` (``None``: its own), as
+    ``dx = dy W^T`` reads it, and as the weight-gradient GEMM ``dW = x^T dy`` contracts it over
+    the ``M`` tokens.
+
+    With ``recipe.grad_transpose`` resolving to the kernel, one Pallas pass over ``dy`` writes
+    both: ``Q(dy)`` ``(..., N)`` and ``Q(dy)^T`` ``(N, M)``, K-major as an FP8 tensor-core GEMM
+    wants it (:func:`pallas_kernels.quantize.quantize_transpose_per_tensor`; same codes as
+    :func:`~coat_jax.core.quant.quantize`); under a multi-device mesh on every device's shard
+    (tokens split like the batch, ``N`` like the MLP where it divides). Else ``Q(dy)`` alone
+    ``(M, N)``, contracted over axis 0, and XLA writes the copy the GEMM needs."""
+    mode = _grad_transpose_mode(recipe)
+    if mode is None:
+        dyq = quantize(dy, recipe.grad, amax=amax)
+        return dyq, (QuantizedArray(_matrix(dyq.data), dyq.amax), 0)
+    amax = finite_amax(dy) if amax is None else jnp.asarray(amax, jnp.float32)
+    dy2 = _matrix(dy)
+
+    def local(d, a):
+        q, q_t = quantize_kernels.quantize_transpose_per_tensor(d, a, recipe.grad,
+                                                                interpret=mode == "interpret")
+        return q.data, q_t.data
+
+    mesh = dispatch.multi_device_mesh()
+    if mesh is None:
+        codes, codes_t = local(dy2, amax)
+    else:
+        P = jax.sharding.PartitionSpec
+        rows = sharding.fits(mesh, sharding.RULES["batch"], dy2.shape[0])
+        col = sharding.fits(mesh, sharding.RULES["mlp"], dy2.shape[1])
+        codes, codes_t = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(rows, col), P()),
+            out_specs=(P(rows, col), P(col, rows)), check_vma=False,
+        )(dy2, amax)  # fmt: skip
+    return QuantizedArray(codes.reshape(dy.shape), amax), (QuantizedArray(codes_t, amax), 1)
+
+
+def _grad_transpose_mode(recipe: Fp8Recipe) -> str | None:
+    """``"pallas"`` / ``"interpret"`` where :func:`_grad_operands` runs the quantize-transpose
+    kernel (per-tensor scaling), else ``None``."""
+    if recipe.scaling != "tensor":
+        return None
+    mode = dispatch.resolve(recipe.grad_transpose, "quantize_transpose")
+    return None if mode == "reference" else mode
+
+
+def _weight_grads(x_saved, wgrad_operands, w_dtypes, recipe: Fp8Recipe):
+    """``(x^T dy_i, ...)`` over all tokens of the per-tensor FP8 input and the output gradients'
+    operands from :func:`_input_grads`, each in its weight's dtype (:func:`fp8_gemm`'s
+    ``partials_in_out_dtype``)."""
     x2 = QuantizedArray(_matrix(x_saved.data), x_saved.amax)
     return tuple(
-        fp8_gemm(x2, QuantizedArray(_matrix(dyq.data), dyq.amax), contract=(0, 0),
-                 out_dtype=dtype, recipe=recipe, partials_in_out_dtype=True)
-        for dyq, dtype in zip(dyqs, w_dtypes, strict=True)
+        fp8_gemm(x2, dyq, contract=(0, axis), out_dtype=dtype, recipe=recipe,
+                 partials_in_out_dtype=True)
+        for (dyq, axis), dtype in zip(wgrad_operands, w_dtypes, strict=True)
     )  # fmt: skip
 
 
@@ -267,7 +316,8 @@ def fused_kernels(recipe: Fp8Recipe) -> tuple[str, ...]:
       ValueError: an option is ``"pallas"`` off a Hopper GPU.
     """
     modes = {"fused_quantize": _fused_mode(recipe), "fused_mlp": _fused_mlp_mode(recipe),
-             "fused_backward": _fused_backward_mode(recipe)}  # fmt: skip
+             "fused_backward": _fused_backward_mode(recipe),
+             "grad_transpose": _grad_transpose_mode(recipe)}  # fmt: skip
     return tuple(name for name, mode in modes.items() if mode is not None)
 
 
@@ -484,12 +534,12 @@ def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts, dout_am
     norm = lambda a, s=None: norm_fp32(a, s, eps, kind).astype(dtype)
     mode = _fused_backward_mode(recipe)
     if mode is not None:  # dy first, then one kernel reads the saved groups once
-        dy, dyqs = _input_grads(w_saved, douts, recipe, dout_amaxes)
+        dy, dy_operands = _input_grads(w_saved, douts, recipe, dout_amaxes)
         extras = () if norm_scale is None else (norm_scale,)
         yq, (dx,), _, dscales = _operand_and_grads((xg,), dy, norm, extras, y_amax, recipe,
                                                    mode, whole_rows=True)  # fmt: skip
         dscale = dscales[0] if dscales else None
-        return dx, dscale, _weight_grads(yq, dyqs, w_dtypes, recipe)
+        return dx, dscale, _weight_grads(yq, dy_operands, w_dtypes, recipe)
     y, norm_vjp = jax.vjp(norm, dequantize(xg, dtype), norm_scale)
     yq = _backward_x(y, y_amax, recipe)
     dy, dws = _project_backward(yq, w_saved, douts, w_dtypes, recipe, dout_amaxes)
@@ -560,10 +610,10 @@ def _swiglu_project_grads(w_dtype, recipe, residuals, dout):
         dh, (dw,) = _project_backward(hq, w_saved, (dout,), (w_dtype,), recipe)
         dgate, dup = swiglu_vjp(dh)
         return dgate.astype(dtype), dup.astype(dtype), dw, None
-    dh, doutqs = _input_grads(w_saved, (dout,), recipe)
+    dh, dout_operands = _input_grads(w_saved, (dout,), recipe)
     hq, (dgate, dup), maxima, _ = _operand_and_grads((gq, uq), dh, swiglu, (), h_amax, recipe,
                                                      mode)  # fmt: skip
-    return dgate, dup, _weight_grads(hq, doutqs, (w_dtype,), recipe)[0], maxima
+    return dgate, dup, _weight_grads(hq, dout_operands, (w_dtype,), recipe)[0], maxima
 
 
 def _fused_backward_mode(recipe: Fp8Recipe) -> str | None:

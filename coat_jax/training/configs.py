@@ -342,7 +342,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.precision in ("fp8_linear", "coat") and not hopper_gpu():  # else the first step says it
         elsewhere = {"gemm": "'auto' or 'xla'", "fused_quantize": "'auto' or 'interpret'",
                      "fused_mlp": "'auto' or 'interpret'",
-                     "fused_backward": "'auto' or 'interpret'"}  # fmt: skip
+                     "fused_backward": "'auto' or 'interpret'",
+                     "grad_transpose": "'auto' or 'interpret'"}  # fmt: skip
         for key, fallback in elsewhere.items():
             if c.fp8[key] == "pallas":
                 raise ValueError(f"config.fp8.{key}='pallas' needs a Hopper GPU; use {fallback}")
