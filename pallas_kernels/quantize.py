@@ -38,6 +38,7 @@ from pallas_kernels.tiling import block_shape
 
 __all__ = [
     "QuantizeTuning",
+    "TRANSPOSE_TUNING",
     "quantize_tuning_candidates",
     "transpose_tuning_candidates",
     "dequantize_per_group",
@@ -55,6 +56,14 @@ class QuantizeTuning:
     block_cols: int = 512
     num_warps: int = 4
     num_stages: int = 1
+
+
+TRANSPOSE_TUNING = QuantizeTuning(block_rows=64, block_cols=256, num_warps=4)
+"""Default tile of :func:`quantize_transpose_per_tensor`: the fastest on both of a 7B step's
+output-gradient shapes at batch 4 (bf16 8192 x 4096 and 8192 x 11008 to E5M2, H100, jax 0.11.2,
+2026-12-07, ``bench/results/kernel_sweep_transpose_*_h100_2026-12-07.json``): 0.119 / 0.277 ms
+against 0.146 / 0.290 for the per-group kernels' 32 x 512 (22 tiles timed; best 0.116 /
+0.277)."""
 
 
 def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
@@ -265,7 +274,7 @@ def quantize_transpose_per_tensor(
     amax: jax.Array,
     fmt: str | Fp8Format = "e4m3",
     *,
-    tuning: QuantizeTuning = QuantizeTuning(),
+    tuning: QuantizeTuning = TRANSPOSE_TUNING,
     interpret: bool = False,
 ) -> tuple[QuantizedArray, QuantizedArray]:
     """``(Q(x), Q(x)^T)`` per tensor with the given ``amax``, one pass over ``x``.
