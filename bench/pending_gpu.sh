@@ -191,6 +191,8 @@
 #                                      from one Pallas pass (Fp8Recipe.grad_transpose): compiled
 #                                      tests, the kernel's tiles at the step's shapes, one 7B
 #                                      block per row with and without it (COAT, FP8-linear)
+#   PART=57 bash bench/pending_gpu.sh  issue 24: the 2-layer 7B COAT step at batch 8 by op, with
+#                                      and without grad_transpose (one archive)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -266,6 +268,21 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+57)
+  # issue 24: where the 2-layer 7B COAT step at batch 8 spends its time with and without
+  # grad_transpose (the E5M2 quantize-and-transpose fusions against the kernel), by op
+  for run in "coat|" "coat_grad_transpose|--set fp8.grad_transpose=pallas"; do
+    IFS='|' read -r tag extra <<< "$run"
+    name="profile_7b_2layers_b8_${tag}_${CARD}_$DAY"
+    echo "== 2-layer Llama-2-7B step, batch 8: $tag"
+    # shellcheck disable=SC2086
+    timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
+      --set precision=coat --set optimizer.name=fp8_adamw $extra --top 400 \
+      --json "$OUT/$name.json" 2>&1 | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+  done
+  (cd "$OUT" && tar czf "profiles_b8_grad_transpose_${CARD}_$DAY.tgz" profile_7b_2layers_b8_*.json \
+    && rm -f profile_7b_2layers_b8_*.json)
+  ;;
 56)
   # issue 24: each output gradient's E5M2 codes in both layouts from one Pallas pass
   # (Fp8Recipe.grad_transpose; XLA's fusions moved 1.4-1.7 TB/s there, 1.9 ms a 7B layer at
