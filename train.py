@@ -131,7 +131,8 @@ def main(argv, allocator_set: dict) -> None:
     with jax.set_mesh(run.placement.mesh):
         if config.precision == "coat":
             kernels = ", ".join(flow.fused_kernels(configs.fp8_recipe(config))) or "none"
-            log(f"Fused FP8 flow kernels: {kernels} (config.fp8.fused_*; auto: where measured)")
+            log(f"Fused FP8 flow kernels: {kernels} (config.fp8.fused_*, grad_transpose; "
+                "auto: where measured)")
         if _DRY_RUN.value:
             return dry_run(run)
         ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.keep_checkpoints)
