@@ -50,12 +50,15 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeTuning:
-    """Tile and launch knobs (block dims must be powers of two for Triton)."""
+    """Tile and launch knobs (block dims must be powers of two for Triton). ``transpose_codes``
+    (:func:`quantize_transpose_per_tensor` only): the transposed output is the tile's 1-byte
+    codes transposed, instead of the transposed input tile (fp32 in registers) encoded again."""
 
     block_rows: int = 32
     block_cols: int = 512
     num_warps: int = 4
     num_stages: int = 1
+    transpose_codes: bool = False
 
 
 TRANSPOSE_TUNING = QuantizeTuning(block_rows=64, block_cols=256, num_warps=4)
@@ -75,8 +78,8 @@ def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
 def transpose_tuning_candidates() -> tuple[QuantizeTuning, ...]:
     """The tunings ``bench/kernel_sweep.py`` times for :func:`quantize_transpose_per_tensor`:
     tiles whose transposed copy is not too narrow a row of 1-byte codes (rows x columns up to
-    128 x 512), x warps."""
-    grid = itertools.product((32, 64, 128), (64, 128, 256, 512), (4, 8), (1,))
+    128 x 512), x warps, x what is transposed (the input tile or its codes)."""
+    grid = itertools.product((32, 64, 128), (64, 128, 256, 512), (4, 8), (1,), (False, True))
     return tuple(QuantizeTuning(*c) for c in grid if c[0] * c[1] <= 32768)
 
 
@@ -311,8 +314,12 @@ def _transpose_call(x2, amax, fmt, br, bc, tuning, interpret):
     def kernel(x_ref, amax_ref, q_ref, qt_ref):
         x = x_ref[...]
         a = amax_ref[0, 0]
-        q_ref[...] = encode(x, fmt, False, per_group=False, amax=a)[0]
-        qt_ref[...] = encode(x.T, fmt, False, per_group=False, amax=a)[0]  # elementwise: same codes
+        codes = encode(x, fmt, False, per_group=False, amax=a)[0]
+        q_ref[...] = codes
+        if tuning.transpose_codes:
+            qt_ref[...] = codes.T
+        else:  # elementwise: the same codes
+            qt_ref[...] = encode(x.T, fmt, False, per_group=False, amax=a)[0]
 
     return pl.pallas_call(
         kernel,

@@ -108,10 +108,12 @@ def test_transpose_quantize_equals_quantize_then_transpose(shape, fmt, dtype, in
     assert np.abs(np.asarray(q.data.astype(jnp.float32))).max() == get_format(fmt).max
 
 
-def test_transpose_quantize_tiles_in_both_layouts():
-    tuning = kq.QuantizeTuning(block_rows=16, block_cols=32)
+@pytest.mark.parametrize("interpret", run_modes())
+@pytest.mark.parametrize("transpose_codes", [False, True])
+def test_transpose_quantize_tiles_in_both_layouts(transpose_codes, interpret):
+    tuning = kq.QuantizeTuning(block_rows=16, block_cols=32, transpose_codes=transpose_codes)
     x = fresh((64, 128))
-    q, q_t = kq.quantize_transpose_per_tensor(x, 3.0, tuning=tuning, interpret=True)
+    q, q_t = kq.quantize_transpose_per_tensor(x, 3.0, tuning=tuning, interpret=interpret)
     want = quantize(x, "e4m3", amax=jnp.float32(3.0)).data
     bits = lambda a: np.asarray(a).view(np.uint8)
     np.testing.assert_array_equal(bits(q.data), bits(want))
@@ -120,10 +122,12 @@ def test_transpose_quantize_tiles_in_both_layouts():
         kq.quantize_transpose_per_tensor(jnp.ones((2, 3, 4)), 1.0, interpret=True)
 
 
-def test_transpose_quantize_lowers_to_triton_for_cuda():
-    """Without a GPU: the in-tile transpose lowers to Triton IR."""
+@pytest.mark.parametrize("transpose_codes", [False, True])
+def test_transpose_quantize_lowers_to_triton_for_cuda(transpose_codes):
+    """Without a GPU: the in-tile transpose (of the input tile or of its codes) lowers to
+    Triton IR."""
     x = jnp.ones((64, 256), jnp.bfloat16)
-    traced = kq._transpose_call.trace(
-        x, jnp.ones((1, 1)), get_format("e4m3"), 32, 128, kq.QuantizeTuning(), False
-    )
+    tuning = kq.QuantizeTuning(transpose_codes=transpose_codes)
+    traced = kq._transpose_call.trace(x, jnp.ones((1, 1)), get_format("e4m3"), 32, 128, tuning,
+                                      False)  # fmt: skip
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
