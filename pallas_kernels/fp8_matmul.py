@@ -850,17 +850,7 @@ def fp8_dot_general(a_codes, b_codes, scale, contract: tuple[int, int], out_dtyp
                     config: GemmConfig | None = None,
                     autotune: bool = True) -> jax.Array:  # fmt: skip
     """``scale * sum_k a[..., k, ...] b[..., k, ...]`` (one contracted axis each, no batch
-    axes) through :func:`fp8_matmul`; result axes: ``a``'s kept axes then ``b``'s.
-
-    Where neither contracted axis is last (a weight gradient ``x^T dy``: both operands are
-    token-major), the two operands' codes are materialized (an optimization barrier) before
-    their K-major copies: left free, XLA moved those transposes up through the quantizing
-    converts into the producers, which then wrote their fp32 inputs transposed (a 7B COAT step
-    at batch 4, H200, 2026-12-02: +24 ms of quantize fusions and +32 ms of reductions against
-    cuBLASLt's step, docs/results.md). Behind the barrier each transpose moves 1-byte codes."""
-    a_ndim, b_ndim = jnp.ndim(a_codes), jnp.ndim(b_codes)
-    if contract[0] % a_ndim != a_ndim - 1 and contract[1] % b_ndim != b_ndim - 1:
-        a_codes, b_codes = (jax.lax.optimization_barrier(x) for x in (a_codes, b_codes))
+    axes) through :func:`fp8_matmul`; result axes: ``a``'s kept axes then ``b``'s."""
     a2, a_kept = as_k_major(a_codes, contract[0])
     b2, b_kept = as_k_major(b_codes, contract[1])
     out = fp8_matmul(a2, b2, scale, jnp.float32(1.0), out_dtype=out_dtype, config=config,

@@ -130,28 +130,6 @@ def test_k_major_views():
     assert kept == (4,)
 
 
-def test_weight_gradient_operands_are_materialized_before_their_transposes(monkeypatch):
-    """``x^T dy`` (both contracted over axis 0): each operand's codes pass an optimization
-    barrier before its K-major copy, so that XLA transposes 1-byte codes instead of moving the
-    transpose into an fp32 producer; a projection's weight transposes as it comes."""
-    monkeypatch.setattr(fm, "_check_backend", lambda: None)  # traced only, never run
-
-    def ops(contract, a_shape, b_shape):
-        a, b = (jax.ShapeDtypeStruct(s, E4) for s in (a_shape, b_shape))
-        call = lambda a, b: fm.fp8_dot_general(a, b, 1.0, contract, jnp.bfloat16, autotune=False)
-        eqns = jax.make_jaxpr(call)(a, b).jaxpr.eqns
-        fenced = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
-        return [
-            (e.primitive.name, all(v in fenced for v in e.invars))
-            for e in eqns
-            if e.primitive.name in ("optimization_barrier", "transpose")
-        ]
-
-    assert ops((0, 0), (256, 128), (256, 384)) == [("optimization_barrier", False)] * 2 + [
-        ("transpose", True)] * 2  # fmt: skip
-    assert ops((1, 0), (256, 128), (128, 384)) == [("transpose", False)]
-
-
 def test_config_checks_and_candidates():
     for variant in fm.VARIANTS:
         cands = fm.config_candidates(variant)
