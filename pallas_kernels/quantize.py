@@ -62,11 +62,12 @@ class QuantizeTuning:
 
 
 TRANSPOSE_TUNING = QuantizeTuning(block_rows=64, block_cols=256, num_warps=4)
-"""Default tile of :func:`quantize_transpose_per_tensor`: the fastest on both of a 7B step's
-output-gradient shapes at batch 4 (bf16 8192 x 4096 and 8192 x 11008 to E5M2, H100, jax 0.11.2,
-2026-12-07, ``bench/results/kernel_sweep_transpose_*_h100_2026-12-07.json``): 0.119 / 0.277 ms
-against 0.146 / 0.290 for the per-group kernels' 32 x 512 (22 tiles timed; best 0.116 /
-0.277)."""
+"""Default tile of :func:`quantize_transpose_per_tensor`. Inside a 2-layer 7B COAT step at
+batch 8 (H100, jax 0.11.2, 2026-12-07, ``bench/results/profiles_b8_grad_transpose_h100_
+2026-12-07.tgz``) it moves 2.8 TB/s on 16384 x 4096 and 2.7 TB/s on 16384 x 11008 (bf16 in, E5M2
+codes in both layouts), against 1.4-1.7 TB/s for XLA's fusions. The same day's tile sweep
+(``kernel_sweep_transpose*_h100_2026-12-07.json``) timed launches, not the kernel (1.1-1.3
+TB/s for every tile), so its ranking is weak evidence; 64 x 256 was its best on both shapes."""
 
 
 def quantize_tuning_candidates() -> tuple[QuantizeTuning, ...]:
