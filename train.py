@@ -122,7 +122,8 @@ def main(argv, allocator_set: dict) -> None:
         log(f"config.model from config.init_from={config.init_from}: {'; '.join(from_weights)}")
     log(f"{run.model.family} {run.model.num_params() / 1e6:.2f}M params, "
         f"precision={config.precision}, optimizer={config.optimizer.name}, "
-        f"{jax.device_count()} devices ({jax.process_count()} processes), "
+        f"{jax.device_count()} devices ({jax.devices()[0].device_kind}; "
+        f"{jax.process_count()} processes), "
         f"mesh {dict(run.placement.mesh.shape)}")  # fmt: skip
     if run.fused_update:
         log("Optimizer: fused FP8 AdamW kernel (pallas_kernels.adam_update)")

@@ -71,11 +71,15 @@ AUTO_USES_KERNEL: dict[str, bool] = {
     "fused_mlp": True,
     "fused_backward": True,
     # Each output gradient's E5M2 codes in both layouts from one pass
-    # (pallas_kernels.quantize.quantize_transpose_per_tensor, Fp8Recipe.grad_transpose): XLA's
-    # fusions doing it in a 2-layer 7B step at batch 8 (H100, 2026-12-06) moved 1.4-1.7 TB/s,
-    # 1.9 ms a layer; the kernel moved 2.24 TB/s stand-alone on an H200 (bf16 in, 8192^2,
-    # 2026-11-30). Not yet timed in a step: off until a GPU says it wins there.
-    "quantize_transpose": False,
+    # (pallas_kernels.quantize.quantize_transpose_per_tensor, Fp8Recipe.grad_transpose), one
+    # H100, jax 0.11.2, 2026-12-07 (bench/results/*grad_transpose*_h100_2026-12-07.*): a 2-layer
+    # 7B COAT step at batch 8, 79.0 -> 77.1 device ms (XLA's quantize-and-transpose fusions 3.7
+    # ms at 1.4-1.7 TB/s, the kernel 2.0 ms at 2.7-2.8 TB/s); one 7B block at batch 4 in three
+    # rounds, COAT 13.34 / 13.99 / 13.78 -> 13.00 / 13.04 / 13.24 ms, FP8-linear 12.94 / 13.06 /
+    # 13.41 -> 12.67 / 12.72 / 12.91; Llama-2-7B through train.py at batch 4, 15,820 / 15,610 ->
+    # 16,010 / 16,240 tokens/s. Compiled tests pass there; with XLA's excess precision off, COAT's
+    # train steps equal the XLA path's bit for bit (tests/test_grad_transpose.py).
+    "quantize_transpose": True,
 }
 """Per kernel family, whether ``kernels="auto"`` picks the compiled kernel on a Hopper GPU.
 Flip an entry only with a GPU measurement showing the kernel faster, and cite it above."""

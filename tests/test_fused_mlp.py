@@ -216,12 +216,13 @@ def test_gpu_fused_mlp_kernel_matches_the_unfused_ops():
 
 def test_fused_kernels_names_the_options_that_run_a_kernel(monkeypatch):
     """What train.py reports: the fused-flow options whose kernels run here; ``auto`` runs the
-    MLP and backward kernels on one Hopper GPU and not under a multi-device mesh."""
+    MLP, backward and gradient quantize-transpose kernels on one Hopper GPU and not under a
+    multi-device mesh."""
     both = Fp8Recipe(fused_mlp="interpret", fused_backward="interpret")
     assert flow.fused_kernels(both) == ("fused_mlp", "fused_backward")
     assert flow.fused_kernels(Fp8Recipe(fused_quantize="interpret", scaling="row")) == ()
     monkeypatch.setattr(dispatch, "hopper_gpu", lambda: True)
-    assert flow.fused_kernels(Fp8Recipe()) == ("fused_mlp", "fused_backward")
+    assert flow.fused_kernels(Fp8Recipe()) == ("fused_mlp", "fused_backward", "grad_transpose")
     monkeypatch.setattr(dispatch, "multi_device_mesh", lambda: object())
     assert flow.fused_kernels(Fp8Recipe()) == ()
     assert flow.fused_kernels(Fp8Recipe(fused_mlp="pallas")) == ("fused_mlp",)

@@ -107,6 +107,12 @@ MEASURED_THROUGH_TRAIN = {
         "pending_gpu_part47_h100_2026-12-06.log",
     )
     for family in ("fused_mlp", "fused_backward")
+} | {
+    "quantize_transpose": (  # the faster of two runs each, one after another on one H100
+        "train_llama2_7b_b4_coat_grad_transpose_pallas_run342_h100_2026-12-07.txt",
+        "train_llama2_7b_b4_coat_grad_transpose_reference_run135_h100_2026-12-07.txt",
+        "pending_gpu_grad_transpose_train_h100_2026-12-07.log",
+    )
 }
 
 
