@@ -52,6 +52,8 @@ VARIANTS = {
                                                         fused_backward="pallas")),  # fmt: skip
     "fp8_linear+grad_transpose": ("fp8_linear", Fp8Recipe(grad_transpose="pallas")),
     "coat+grad_transpose": ("coat", Fp8Recipe(grad_transpose="pallas")),
+    "fp8_linear+xla_grad_transpose": ("fp8_linear", Fp8Recipe(grad_transpose="reference")),
+    "coat+xla_grad_transpose": ("coat", Fp8Recipe(grad_transpose="reference")),
 }
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
@@ -61,8 +63,9 @@ written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's G
 and with ``gemm='auto'``); SwiGLU's and the norms' backwards as one pass each over their FP8-saved
 inputs (``--backward``:
 ``Fp8Recipe.fused_backward``, alone, with the fused MLP, and with it and the fused quantize
-kernels); each output gradient's E5M2 codes in both layouts from one Pallas pass
-(``--transpose``: ``Fp8Recipe.grad_transpose``). Since 2026-12-06 ``auto`` runs the fused MLP
+kernels); each output gradient's E5M2 codes in both layouts from one Pallas pass, and from
+XLA's fusions (``--transpose``: ``Fp8Recipe.grad_transpose``, ``auto`` on one Hopper GPU since
+2026-12-07). Since 2026-12-06 ``auto`` runs the fused MLP
 and backward on one Hopper GPU, so the ``coat`` row and the rows that name neither run them;
 ``coat+unfused`` is COAT without them."""
 
@@ -142,7 +145,7 @@ def main():
                         "with fused_mlp='pallas', and with it and fused_quantize='pallas'")
     parser.add_argument("--transpose", action="store_true",
                         help="add rows: fp8_linear and COAT with Fp8Recipe(grad_transpose="
-                        "'pallas')")
+                        "'pallas') and with 'reference'")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     if args.policy:

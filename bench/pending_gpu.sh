@@ -2,13 +2,14 @@
 # The GPU checks and measurements that code landed without a GPU waits for, on one H200, one
 # PART per call of at most ~9.5 minutes (device limit: 10 minutes a command).
 #
-# Next session, in this order (30 device minutes; a machine start costs 1-2, a refused request
-# 0.25-2; use an absolute PYTHONPATH, /tmp/site:$PWD: snippet tests run from other directories):
-# on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300 TFLOP/s: the block-scaled kernel since its
-# tile-loop refactor of 2026-12-05 has run only on an H100, 1,209), then PART=51 (issue 24's 7B
-# table, with the LM head change and the fused kernels under auto); on either GPU, PART=52 (the
-# block with every FP8 GEMM on Pallas) and PART=55 (the same with the weight-gradient barrier).
-# PART=54 ran on an H100 on 2026-12-07. Result names
+# Next session, in this order (30 device minutes; a machine start costs 1-2, plus ~3 of
+# transfers and setup, a refused request 0.25-2; use an absolute PYTHONPATH, /tmp/site:$PWD:
+# snippet tests run from other directories): on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300
+# TFLOP/s: the block-scaled kernel since its tile-loop refactor of 2026-12-05 has run only on an
+# H100, 1,209), then PART=56 NO_TESTS=1 ROUNDS=2 (grad_transpose, on under auto since
+# 2026-12-07 from H100 runs only), then PART=51 (issue 24's 7B table) and PART=52; on either
+# GPU, PART=56 NO_ROWS=1 (the quantize-transpose tiles, now on CUPTI device time).
+# PART=54, 55, 56 and 57 ran on an H100 on 2026-12-07. Result names
 # carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
 # fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
 # --fsdp 2 --batch 8 --no_search --policies coat+fp8_adamw,coat+fp8_adamw+auto_gemm`.
@@ -289,10 +290,11 @@ case "${PART:-1}" in
   # batch 8): one 7B block per row with and without it (ROUNDS=2: again, reversed), then the
   # compiled tests and the kernel's tiles at the 7B step's gradient shapes (batch 4; both
   # transposes: of the input tile, of its codes)
-  rows="coat coat+grad_transpose fp8_linear fp8_linear+grad_transpose"
+  # (since 2026-12-07 auto runs the kernel on one Hopper GPU: the rows name both choices)
+  rows="coat+xla_grad_transpose coat+grad_transpose fp8_linear+xla_grad_transpose fp8_linear+grad_transpose"
   [ -n "${NO_ROWS:-}" ] && ROUNDS=0  # NO_ROWS=1: the tests and tiles only
   for round in $(seq 1 "${ROUNDS:-1}"); do
-    [ "$round" = 2 ] && rows="fp8_linear+grad_transpose fp8_linear coat+grad_transpose coat"
+    [ "$round" = 2 ] && rows="fp8_linear+grad_transpose fp8_linear+xla_grad_transpose coat+grad_transpose coat+xla_grad_transpose"
     for row in $rows; do
       layer_row "$round" "$row" "layer_grad_transpose_${CARD}_$DAY.jsonl" 90
       echo "-- ${SECONDS}s"

@@ -118,7 +118,7 @@ def test_meshes_processes_and_checkpoints(tmp_path):
         for i in range(2)
     ]
     outs = [finish(p) for p in multi]
-    assert "8 devices (2 processes)" in outs[0]
+    assert "8 devices (cpu; 2 processes)" in outs[0]
     assert "step 10" not in outs[1]  # only process 0 logs
 
     ref = tmp_path / "one_device"
