@@ -6,7 +6,8 @@ backward reads is explicit. What each op quantizes, and how, is the
 
 * GEMM operands are quantized **per tensor** just in time (scale from the current ``amax``):
   activations and weights in ``recipe.forward_format`` (E4M3) for the forward, output
-  gradients in ``recipe.grad_format`` (E5M2) for the backward; products accumulate in fp32
+  gradients in ``recipe.grad_format`` (E5M2) for the backward (both layouts its GEMMs read
+  from one Pallas pass where ``recipe.grad_transpose`` picks it); products accumulate in fp32
   (:func:`fp8_gemm`, the one place the recipe's GEMM backend plugs in). With
   ``recipe.scaling`` ``"row"`` or ``"block"`` every operand is scaled along its contracted axis
   instead (:mod:`coat_jax.ops.scaled_gemm`; the weight-gradient GEMM's operands along the
@@ -309,8 +310,10 @@ def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
 
 def fused_kernels(recipe: Fp8Recipe) -> tuple[str, ...]:
     """The ``Fp8Recipe`` options of the fused precision flow (``fused_quantize``, ``fused_mlp``,
-    ``fused_backward``) whose kernels the COAT ops run under ``recipe`` here: on this backend,
-    in the mesh in context (``pallas_kernels.dispatch``: ``auto`` where measured faster).
+    ``fused_backward``, ``grad_transpose``) whose kernels the COAT ops run under ``recipe``
+    here: on this backend, in the mesh in context (``pallas_kernels.dispatch``: ``auto`` where
+    measured faster). ``grad_transpose`` runs in every per-tensor FP8 projection's backward,
+    FP8-linear's too.
 
     Raises:
       ValueError: an option is ``"pallas"`` off a Hopper GPU.
