@@ -8,7 +8,8 @@
 # TFLOP/s: the block-scaled kernel since its tile-loop refactor of 2026-12-05 has run only on an
 # H100, 1,209), then PART=56 NO_TESTS=1 ROUNDS=2 (grad_transpose, on under auto since
 # 2026-12-07 from H100 runs only), then PART=51 (issue 24's 7B table) and PART=52; on either
-# GPU, PART=56 NO_ROWS=1 (the quantize-transpose tiles, now on CUPTI device time).
+# GPU, PART=58 (grad_transpose's 114M loss check) and PART=56 NO_ROWS=1 (the quantize-transpose
+# tiles, now on CUPTI device time).
 # PART=54, 55, 56 and 57 ran on an H100 on 2026-12-07. Result names
 # carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
 # fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
@@ -194,6 +195,9 @@
 #                                      block per row with and without it (COAT, FP8-linear)
 #   PART=57 bash bench/pending_gpu.sh  issue 24: the 2-layer 7B COAT step at batch 8 by op, with
 #                                      and without grad_transpose (one archive)
+#   PART=58 bash bench/pending_gpu.sh  issue 24: grad_transpose's loss check, Llama-114M, 2000
+#                                      steps, same seed, with XLA's fusions and with the kernel
+#                                      (COAT, then FP8-linear; ~2 min a run)
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -269,6 +273,23 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+58)
+  # issue 24: grad_transpose's loss check, Llama-114M, 2000 steps, seed 0, COAT with XLA's
+  # gradient quantize-and-transpose and with the kernel (same seed and batches), then the same
+  # pair for FP8-linear + adamw (SKIP_FP8_LINEAR=1: COAT only); metrics.jsonl of each kept
+  runs="coat|fp8_adamw|xla|--config.fp8.grad_transpose=reference coat|fp8_adamw|kernel|--config.fp8.grad_transpose=pallas"
+  [ -z "${SKIP_FP8_LINEAR:-}" ] && runs="$runs fp8_linear|adamw|xla|--config.fp8.grad_transpose=reference fp8_linear|adamw|kernel|--config.fp8.grad_transpose=pallas"
+  for run in $runs; do
+    IFS='|' read -r precision opt tag flag <<< "$run"
+    rm -rf /tmp/p58
+    echo "== Llama-114M, $precision, gradients' quantize-transpose by $tag, 2000 steps, seed 0"
+    timeout 150 $PY train.py --config configs/llama_114m.py --config.steps=2000 \
+      --config.seed=0 --config.eval_interval=500 --config.precision=$precision \
+      --config.optimizer.name=$opt --config.checkpoint_interval=0 --config.progress=False \
+      --config.workdir=/tmp/p58 "$flag" 2>&1 | grep -E "tokens_per_s|Error|error" | cut -c1-140 | tail -2
+    cp /tmp/p58/metrics.jsonl "$OUT/train_114m_2000_${precision}_grad_transpose_${tag}_${CARD}_$DAY.jsonl" 2>/dev/null
+  done
+  ;;
 57)
   # issue 24: where the 2-layer 7B COAT step at batch 8 spends its time with and without
   # grad_transpose (the E5M2 quantize-and-transpose fusions against the kernel), by op
