@@ -260,6 +260,19 @@ layer_row() {  # round, policy, jsonl name, timeout[, tree]: one 7B block (bench
     | sed "s/^{/{\"round\": $1, \"tree\": \"$tree\", /" | tee -a "$OUT/$3" | cut -c1-130
 }
 
+layer_rounds() {  # jsonl name, rows, the second round's rows: ROUNDS (default 1) rounds of
+  # layer_row, 90 s each; a row is a policy of bench/layer.py, or policy:tree (baseline/)
+  local name=$1 rows=$2 round row tree
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    [ "$round" = 2 ] && rows=$3
+    for row in $rows; do
+      tree=.; [[ $row == *:* ]] && tree=${row#*:}
+      layer_row "$round" "${row%%:*}" "$name" 90 "$tree"
+      echo "-- ${SECONDS}s"
+    done
+  done
+}
+
 policy_optimizer() {  # precision -> the optimizer it trains with in the issues' tables
   [ "$1" = coat ] && echo fp8_adamw || echo adamw
 }
@@ -312,15 +325,10 @@ case "${PART:-1}" in
   # compiled tests and the kernel's tiles at the 7B step's gradient shapes (batch 4; both
   # transposes: of the input tile, of its codes)
   # (since 2026-12-07 auto runs the kernel on one Hopper GPU: the rows name both choices)
-  rows="coat+xla_grad_transpose coat+grad_transpose fp8_linear+xla_grad_transpose fp8_linear+grad_transpose"
   [ -n "${NO_ROWS:-}" ] && ROUNDS=0  # NO_ROWS=1: the tests and tiles only
-  for round in $(seq 1 "${ROUNDS:-1}"); do
-    [ "$round" = 2 ] && rows="fp8_linear+grad_transpose fp8_linear+xla_grad_transpose coat+grad_transpose coat+xla_grad_transpose"
-    for row in $rows; do
-      layer_row "$round" "$row" "layer_grad_transpose_${CARD}_$DAY.jsonl" 90
-      echo "-- ${SECONDS}s"
-    done
-  done
+  layer_rounds "layer_grad_transpose_${CARD}_$DAY.jsonl" \
+    "coat+xla_grad_transpose coat+grad_transpose fp8_linear+xla_grad_transpose fp8_linear+grad_transpose" \
+    "fp8_linear+grad_transpose fp8_linear+xla_grad_transpose coat+grad_transpose coat+xla_grad_transpose"
   [ -n "${NO_TESTS:-}" ] && exit 0  # NO_TESTS=1: the rows only
   echo "== quantize + transpose: compiled tests"
   timeout 150 $PY -m pytest -q tests/test_grad_transpose.py tests/test_pallas_quantize.py \
@@ -337,14 +345,9 @@ case "${PART:-1}" in
   # (baseline/, carried: mkdir baseline && git archive 22d6192~1 coat_jax pallas_kernels bench
   # | tar -x -C baseline), COAT as auto runs it, FP8-linear, BF16; ROUNDS=2: again, reversed
   [ -f baseline/bench/layer.py ] || { echo "PART=55 needs baseline/"; exit 1; }
-  rows="coat+pallas_gemm:. coat+pallas_gemm:baseline coat:. fp8_linear:. bf16:."
-  for round in $(seq 1 "${ROUNDS:-1}"); do
-    [ "$round" = 2 ] && rows="fp8_linear:. coat:. coat+pallas_gemm:baseline coat+pallas_gemm:."
-    for row in $rows; do
-      layer_row "$round" "${row%%:*}" "layer_kmajor_barrier_${CARD}_$DAY.jsonl" 90 "${row#*:}"
-      echo "-- ${SECONDS}s"
-    done
-  done
+  layer_rounds "layer_kmajor_barrier_${CARD}_$DAY.jsonl" \
+    "coat+pallas_gemm coat+pallas_gemm:baseline coat fp8_linear bf16" \
+    "fp8_linear coat coat+pallas_gemm:baseline coat+pallas_gemm"
   ;;
 54)
   # issue 24's 114M target: Llama-114M's step by op with its HLO, BF16, FP8-linear and COAT as
