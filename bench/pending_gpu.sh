@@ -198,6 +198,15 @@
 #   PART=58 bash bench/pending_gpu.sh  issue 24: grad_transpose's loss check, Llama-114M, 2000
 #                                      steps, same seed, with XLA's fusions and with the kernel
 #                                      (COAT, then FP8-linear; ~2 min a run)
+#   PART=59 bash bench/pending_gpu.sh  issue 24: what the 7B COAT step holds at its peak at
+#                                      batch 16 (its largest on an H200) with XLA's FP8 GEMMs
+#                                      writing fp32 products (default) and BF16 ones
+#                                      (fp8.gemm_product=bf16: +2.1% tokens/s at batch 4, 1.8 GB
+#                                      more peak there, unexplained); compiles only, either GPU
+#   PART=60 bash bench/pending_gpu.sh  issue 24: one 7B block per row, COAT with its norms reading
+#                                      the saved codes behind a barrier (after) and without
+#                                      (baseline/ = git archive 68f76c4, carried), FP8-linear;
+#                                      ROUNDS=2: again, reversed
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -286,6 +295,32 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+60)
+  # issue 24: COAT's norm forwards reading the saved 1x16 codes behind a barrier instead of the
+  # fp32 dequantized copy XLA wrote beside them (0.36 ms a layer at batch 8): one 7B block per
+  # row after and before (baseline/, carried: git archive 68f76c4 coat_jax pallas_kernels bench)
+  [ -f baseline/bench/layer.py ] || { echo "PART=60 needs baseline/"; exit 1; }
+  layer_rounds "layer_norm_codes_${CARD}_$DAY.jsonl" "coat coat:baseline fp8_linear" \
+    "fp8_linear coat:baseline coat"
+  if [ -n "${PROFILE:-}" ]; then  # PROFILE=1: then the 2-layer COAT step at batch 8 by op
+    echo "== 2-layer Llama-2-7B step, batch 8: COAT, norms reading the saved codes"
+    timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
+      --set precision=coat --set optimizer.name=fp8_adamw --top 400 \
+      --json "$OUT/profile_7b_2layers_b8_coat_norm_codes_${CARD}_$DAY.json" 2>&1 \
+      | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+  fi
+  ;;
+59)
+  # issue 24: the 7B COAT step's peak at batch ${BATCH:-16} by buffer, XLA's FP8 GEMMs writing
+  # fp32 (default) and BF16 products: does the BF16 product's +2% fit COAT's largest batch?
+  for product in fp32 bf16; do
+    echo "== Llama-2-7B compiled step, COAT, batch ${BATCH:-16}, fp8.gemm_product=$product"
+    timeout 140 $PY bench/peak_buffers.py --set batch_size=${BATCH:-16} \
+      --set fp8.gemm_product=$product --top 40 \
+      --json "$OUT/peak_llama2_7b_b${BATCH:-16}_product_${product}_${CARD}_$DAY.json" \
+      2>&1 | grep -v -i warn | head -16
+  done
+  ;;
 58)
   # issue 24: grad_transpose's loss check, Llama-114M, 2000 steps, seed 0, COAT with XLA's
   # gradient quantize-and-transpose and with the kernel (same seed and batches), then the same

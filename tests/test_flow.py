@@ -400,3 +400,27 @@ def test_backward_dequantizes_the_fp8_groups_it_saved(op, saved_groups):
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def fp32_fusion_outputs(hlo: str) -> list[int]:
+    """Element counts of the fp32 arrays that the compiled program's fusions write."""
+    counts = []
+    for line in hlo.splitlines():
+        lhs, _, rhs = line.partition("=")
+        if " fusion(" not in rhs and not rhs.lstrip().startswith("fusion("):
+            continue
+        for dims in re.findall(r"f32\[([\d,]+)\]", rhs.split("fusion(")[0]):
+            counts.append(int(np.prod([int(d) for d in dims.split(",")])))
+    return counts
+
+
+@pytest.mark.gpu
+def test_gpu_norm_forward_does_not_write_an_fp32_copy_of_its_input():
+    """COAT's norm forward reads the 1x16 codes it saves; XLA used to hand the norm the
+    dequantized copy from the fusion that wrote the codes, in fp32 (4 bytes an element of
+    ``x``, written and read again)."""
+    x = jax.random.normal(fresh_key(), (4, 256, 1024), jnp.bfloat16)
+    scale, w = jnp.ones((1024,)), jnp.ones((1024, 512), jnp.bfloat16) / 32
+    forward = jax.jit(lambda x, s, w: flow.fp8_norm_project(x, s, (w,))[0])
+    hlo = forward.lower(x, scale, w).compile().as_text()
+    assert x.size not in fp32_fusion_outputs(hlo)
