@@ -43,6 +43,10 @@ RECIPES = {  # name -> (precision, FP8 recipe)
     # every FP8 GEMM writes a BF16 product before its scales (one more rounding; +2.1% tokens/s
     # on the 7B step, docs/results.md)
     "coat_bf16prod": ("coat", Fp8Recipe(gemm_product="bf16")),
+    # per-tensor scales rounded up to powers of two, alone and with the BF16 product (which
+    # then rounds once, as the fp32 one does)
+    "coat_pow2": ("coat", Fp8Recipe(pow2_scales=True)),
+    "coat_pow2_bf16prod": ("coat", Fp8Recipe(pow2_scales=True, gemm_product="bf16")),
     "coat_bf16fwd": ("coat", Fp8Recipe(forward_gemm="bf16")),
     "coat_bf16fwd_row_e4": ("coat", Fp8Recipe(forward_gemm="bf16", scaling="row", **E4)),
     "coat_bf16fwd_block_e4": ("coat", Fp8Recipe(forward_gemm="bf16", scaling="block", **E4)),

@@ -42,6 +42,9 @@ VARIANTS = {
     "coat+auto_gemm": ("coat", Fp8Recipe(gemm="auto")),
     "fp8_linear+bf16_product": ("fp8_linear", Fp8Recipe(gemm_product="bf16")),
     "coat+bf16_product": ("coat", Fp8Recipe(gemm_product="bf16")),
+    "fp8_linear+pow2_bf16_product": ("fp8_linear", Fp8Recipe(pow2_scales=True,
+                                                             gemm_product="bf16")),  # fmt: skip
+    "coat+pow2_bf16_product": ("coat", Fp8Recipe(pow2_scales=True, gemm_product="bf16")),
     "coat+unfused": ("coat", Fp8Recipe(fused_mlp="reference", fused_backward="reference")),
     "coat+fused_mlp": ("coat", Fp8Recipe(fused_mlp="pallas", fused_backward="reference")),
     "coat+fused_mlp+auto": ("coat", Fp8Recipe(fused_mlp="pallas", gemm="auto")),
@@ -58,16 +61,16 @@ VARIANTS = {
 """Rows beyond the policies: COAT with the norm / SwiGLU forwards' fused quantize kernels
 (``--fused``); every per-tensor FP8 GEMM on the Pallas wgmma kernel, or only the shapes
 ``pallas_kernels.dispatch.GEMM_PALLAS_FASTER`` lists (``--gemm``); XLA's FP8 GEMMs writing a
-BF16 product (``--product``: ``Fp8Recipe.gemm_product``); COAT's MLP with SwiGLU's saved groups
-written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with XLA's GEMMs elsewhere
-and with ``gemm='auto'``); SwiGLU's and the norms' backwards as one pass each over their FP8-saved
-inputs (``--backward``:
-``Fp8Recipe.fused_backward``, alone, with the fused MLP, and with it and the fused quantize
-kernels); each output gradient's E5M2 codes in both layouts from one Pallas pass, and from
-XLA's fusions (``--transpose``: ``Fp8Recipe.grad_transpose``, ``auto`` on one Hopper GPU since
-2026-12-07). Since 2026-12-06 ``auto`` runs the fused MLP
-and backward on one Hopper GPU, so the ``coat`` row and the rows that name neither run them;
-``coat+unfused`` is COAT without them."""
+BF16 product (``--product``: ``Fp8Recipe.gemm_product``; with ``pow2_scales``, whose
+power-of-two scales make that product round once, as the fp32 one does); COAT's MLP with
+SwiGLU's saved groups written by the gate / up GEMMs (``--mlp``: ``Fp8Recipe.fused_mlp``, with
+XLA's GEMMs elsewhere and with ``gemm='auto'``); SwiGLU's and the norms' backwards as one pass
+each over their FP8-saved inputs (``--backward``: ``Fp8Recipe.fused_backward``, alone, with the
+fused MLP, and with it and the fused quantize kernels); each output gradient's E5M2 codes in
+both layouts from one Pallas pass, and from XLA's fusions (``--transpose``:
+``Fp8Recipe.grad_transpose``, ``auto`` on one Hopper GPU since 2026-12-07). Since 2026-12-06
+``auto`` runs the fused MLP and backward on one Hopper GPU, so the ``coat`` row and the rows
+that name neither run them; ``coat+unfused`` is COAT without them."""
 
 
 def run_policy(args) -> dict:

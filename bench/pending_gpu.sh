@@ -207,6 +207,11 @@
 #                                      the saved codes behind a barrier (after) and without
 #                                      (baseline/ = git archive 68f76c4, carried), FP8-linear;
 #                                      ROUNDS=2: again, reversed
+#   PART=61 bash bench/pending_gpu.sh  issue 24: one 7B block per row, XLA's FP8 GEMMs writing
+#                                      BF16 products with power-of-two scales (Fp8Recipe
+#                                      pow2_scales + gemm_product=bf16: one rounding, as fp32's)
+#                                      beside the default and the plain BF16 product, COAT and
+#                                      FP8-linear; ROUNDS=2: again, reversed
 #   PART=3 bash bench/pending_gpu.sh   the optimizer step on 1.01B params with BF16 master
 #                                      weights (parts kernel, 16 and 8 bits, vs fp32 rebuilt
 #                                      around the kernel) beside optax.adamw (issue 18, item 4)
@@ -295,6 +300,14 @@ profiles_archive() {  # tag: profile_step's JSON and HLO files of this call as o
 ALL_COMMAND_BUFFERS="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 case "${PART:-1}" in
+61)
+  # issue 24: the FP8 GEMMs' BF16 products with power-of-two scales (exact scaling: the product
+  # rounds once, as the fp32 one, for half its bytes; +2.1% tokens/s at 7B batch 4 without
+  # pow2, 2026-12-03): one 7B block per row
+  layer_rounds "layer_pow2_bf16_product_${CARD}_$DAY.jsonl" \
+    "coat coat+pow2_bf16_product coat+bf16_product fp8_linear fp8_linear+pow2_bf16_product" \
+    "fp8_linear+pow2_bf16_product fp8_linear coat+bf16_product coat+pow2_bf16_product coat"
+  ;;
 60)
   # issue 24: COAT's norm forwards reading the saved 1x16 codes behind a barrier instead of the
   # fp32 dequantized copy XLA wrote beside them (0.36 ms a layer at batch 8): one 7B block per

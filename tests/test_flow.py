@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coat_jax.core import quant
 from coat_jax.core.quant import dequantize, quantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.models import nn
@@ -424,3 +425,57 @@ def test_gpu_norm_forward_does_not_write_an_fp32_copy_of_its_input():
     forward = jax.jit(lambda x, s, w: flow.fp8_norm_project(x, s, (w,))[0])
     hlo = forward.lower(x, scale, w).compile().as_text()
     assert x.size not in fp32_fusion_outputs(hlo)
+
+
+
+FUSED_INTERPRETED = dict(fused_quantize="interpret", fused_mlp="interpret",
+                         fused_backward="interpret", grad_transpose="interpret")  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["coat", "fp8_linear"])
+@pytest.mark.parametrize("kernels", [{}, FUSED_INTERPRETED], ids=["xla", "fused"])
+def test_pow2_scales_reach_every_gemm(policy, kernels, monkeypatch):
+    """With ``pow2_scales`` every per-tensor scale an FP8 GEMM of a Llama block multiplies by,
+    forward and backward, through the XLA ops and the fused kernels (interpreted), is a power
+    of two; without it they are not."""
+
+    def scales_seen(recipe):
+        seen, gemm = [], flow.fp8_gemm
+
+        def recording(a, b, *args, **kwargs):
+            jax.debug.callback(lambda s, t: seen.extend([float(s), float(t)]), a.scale, b.scale)
+            return gemm(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(flow, "fp8_gemm", recording)
+        h, t = 128, 32
+        block = nn.Block(h, 4, 4, 352, policy=get_policy(policy, recipe), rngs=nnx.Rngs(0))
+        graph, params = nnx.split(block)
+        x = activations(fresh_key(), (2, t, h))
+        loss = lambda p: jnp.sum(nnx.merge(graph, p)(x, jnp.arange(t)[None]).astype(float) ** 2)
+        jax.block_until_ready(jax.jit(jax.grad(loss))(params))
+        jax.effects_barrier()
+        monkeypatch.setattr(flow, "fp8_gemm", gemm)
+        return np.array(seen)
+
+    pow2 = scales_seen(Fp8Recipe(**kernels, pow2_scales=True))
+    assert len(pow2) >= 2 * 9 and np.all(np.frexp(pow2)[0] == 0.5), pow2
+    assert not np.all(np.frexp(scales_seen(Fp8Recipe(**kernels)))[0] == 0.5)
+
+
+def test_pow2_scales_make_a_bf16_gemm_product_round_once():
+    """With power-of-two scales a GEMM writing its product in BF16 (``gemm_product="bf16"``)
+    returns what the fp32 product scaled and rounded once returns, bit for bit; with measured
+    scales the BF16 product is rounded twice and parts from it. Codes in [1, 16) over K = 64:
+    every product and partial sum is exact in fp32, whatever order the dot adds them in."""
+    k1, k2, k3 = jax.random.split(fresh_key(), 3)
+    codes = lambda k, s: jnp.exp2(jax.random.uniform(k, s, maxval=4.0)).astype(jnp.float8_e4m3fn)
+    a_codes, b_codes = codes(k1, (48, 64)), codes(k2, (64, 40))
+    a_max, b_max = jax.random.uniform(k3, (2,), minval=1.0, maxval=100.0)
+    for pow2, parts in ((True, False), (False, True)):
+        a_amax = quant.pow2_amax(a_max, "e4m3") if pow2 else a_max
+        b_amax = quant.pow2_amax(b_max, "e4m3") if pow2 else b_max
+        a = quant.QuantizedArray(a_codes, a_amax)
+        b = quant.QuantizedArray(b_codes, b_amax)
+        fp32 = flow.fp8_gemm(a, b, (-1, 0), jnp.bfloat16, Fp8Recipe())
+        bf16 = flow.fp8_gemm(a, b, (-1, 0), jnp.bfloat16, Fp8Recipe(gemm_product="bf16"))
+        assert (not np.array_equal(np.asarray(fp32), np.asarray(bf16))) == parts

@@ -224,3 +224,40 @@ def test_zeros_equals_quantized_zeros(shape, expand, fmt):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@given(
+    amax=st.floats(2.0**-100, 2.0**120, width=32),
+    fmt=st.sampled_from([E4M3, E5M2]),
+)
+@example(amax=448.0, fmt=E4M3)
+@example(amax=np.float32(448.0 * 2**-20) * np.float32(1 + 2**-23), fmt=E4M3)
+def test_pow2_amax_is_the_smallest_power_of_two_scale_above_amax(amax, fmt):
+    """``fmt.max * 2^k >= amax`` with ``k`` the smallest such integer, and idempotent."""
+    amax = np.float32(amax)
+    out = np.float32(quant.pow2_amax(amax, fmt))
+    mantissa, _ = np.frexp(np.float64(out) / fmt.max)
+    assert mantissa == 0.5  # a power of two times fmt.max, exactly
+    assert amax <= out < 2 * np.float64(amax)
+    assert np.float32(quant.pow2_amax(out, fmt)) == out
+
+
+def test_pow2_amax_keeps_zero_and_what_it_cannot_round():
+    """0, an infinite amax, a ratio below fp32's normal range and a power of two past fp32's
+    largest value come back unchanged."""
+    amax = jnp.array([0.0, np.inf, 1e-37, 3e38], jnp.float32)
+    np.testing.assert_array_equal(quant.pow2_amax(amax, E4M3), amax)
+
+
+@given(seed=st.integers(0, 2**31 - 1), fmt=st.sampled_from([E4M3, E5M2]),
+       log_sigma=st.floats(-20, 20))  # fmt: skip
+def test_quantizing_with_a_pow2_amax_scales_exactly(seed, fmt, log_sigma):
+    """With a power-of-two scale the codes are ``x 2^-k`` rounded once (no rounding in the
+    scaling) and the scale a GEMM multiplies its product by is exactly ``2^k``."""
+    x = jax.random.normal(jax.random.key(seed), (64, 48), jnp.float32) * np.float32(2.0**log_sigma)
+    amax = quant.pow2_amax(quant.finite_amax(x), fmt)
+    q = quantize(x, fmt, amax=amax)
+    scale = np.float64(np.asarray(q.scale))
+    assert np.frexp(scale)[0] == 0.5
+    expected = np.asarray(x, np.float64) / scale  # exact: a power of two
+    np.testing.assert_array_equal(np.asarray(q.data), expected.astype(fmt.dtype))

@@ -33,6 +33,8 @@ def test_default_recipe_is_coats():
         ({"triton_gemm": "no"}, "Fp8Recipe.triton_gemm must be a bool"),
         ({"saved_weights": "bf16"}, "Fp8Recipe.saved_weights='bf16'"),
         ({"gemm_product": "f16"}, "Fp8Recipe.gemm_product='f16'"),
+        ({"pow2_scales": 1}, "Fp8Recipe.pow2_scales must be a bool"),
+        ({"pow2_scales": True, "scaling": "block"}, "pow2_scales rounds per-tensor scales"),
     ],
 )
 def test_bad_recipes_name_the_field(kwargs, match):

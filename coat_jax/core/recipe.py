@@ -26,6 +26,10 @@ field                  default    meaning
                                   and cast by its consumer: half the bytes written and read
                                   back, one more rounding; ``bench/fp8_epilogue.py``: XLA
                                   never joins the scales and a BF16 output to the FP8 call)
+``pow2_scales``        ``False``  round each per-tensor GEMM operand's scale up to a power of
+                                  two (:func:`coat_jax.core.quant.pow2_amax`): scaling is then
+                                  exact, and a BF16 ``gemm_product`` rounds exactly where the
+                                  fp32 one does (per-tensor scaling only)
 ``gemm_autotune``      ``True``   let the Pallas GEMM time its tile configs on eager calls
 ``fused_quantize``     ``auto``   the COAT norm and SwiGLU forwards as two Pallas passes that
                                   quantize inside the op (``pallas_kernels.fused_quantize``;
@@ -111,6 +115,7 @@ class Fp8Recipe:
     forward_gemm: str = "fp8"
     gemm: str = "xla"
     gemm_product: str = "fp32"
+    pow2_scales: bool = False
     gemm_autotune: bool = True
     fused_quantize: str = "auto"
     fused_mlp: str = "auto"
@@ -149,9 +154,13 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.saved_weights={self.saved_weights!r}: expected one of {SAVED_WEIGHTS}"
             )
-        for name in ("gemm_autotune", "triton_gemm"):
+        for name in ("gemm_autotune", "triton_gemm", "pow2_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pow2_scales and self.scaling != "tensor":
+            raise ValueError(
+                f"Fp8Recipe.pow2_scales rounds per-tensor scales; scaling={self.scaling!r} has none"
+            )
 
     @property
     def forward(self) -> Fp8Format:

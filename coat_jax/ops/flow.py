@@ -4,7 +4,8 @@ Each op is a ``jax.custom_vjp`` with its forward, backward and ``defvjp`` side b
 backward reads is explicit. What each op quantizes, and how, is the
 :class:`~coat_jax.core.recipe.Fp8Recipe` it is given (a static argument; default: COAT's):
 
-* GEMM operands are quantized **per tensor** just in time (scale from the current ``amax``):
+* GEMM operands are quantized **per tensor** just in time (scale from the current ``amax``,
+  rounded up to a power of two with ``recipe.pow2_scales``: :func:`_per_tensor`):
   activations and weights in ``recipe.forward_format`` (E4M3) for the forward, output
   gradients in ``recipe.grad_format`` (E5M2) for the backward (both layouts its GEMMs read
   from one Pallas pass where ``recipe.grad_transpose`` picks it); products accumulate in fp32
@@ -47,7 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coat_jax.core.quant import QuantizedArray, dequantize, finite_amax, quantize
+from coat_jax.core.quant import QuantizedArray, dequantize, finite_amax, pow2_amax, quantize
 from coat_jax.core.recipe import Fp8Recipe
 from coat_jax.ops import scaled_gemm, sharded_gemm, sharding
 from coat_jax.ops.plain import norm_fp32, swiglu_fp32
@@ -128,6 +129,21 @@ def _matrix(x):
     return x.reshape(-1, x.shape[-1])
 
 
+def _operand_amax(amax, fmt, recipe: Fp8Recipe):
+    """A per-tensor GEMM operand's ``amax`` as the recipe scales it: rounded up to
+    ``fmt.max * 2^k`` with ``recipe.pow2_scales`` (:func:`~coat_jax.core.quant.pow2_amax`,
+    idempotent: a saved operand's ``amax`` passes through unchanged), else as measured."""
+    return pow2_amax(amax, fmt) if recipe.pow2_scales else amax
+
+
+def _per_tensor(x, fmt, recipe: Fp8Recipe, amax=None) -> QuantizedArray:
+    """``x`` quantized per tensor as a GEMM operand in ``fmt`` with ``amax`` (``None``: its
+    own ``max |x|``), its scale as :func:`_operand_amax` makes it."""
+    if recipe.pow2_scales:
+        amax = _operand_amax(finite_amax(x) if amax is None else amax, fmt, recipe)
+    return quantize(x, fmt, amax=amax)
+
+
 def _project_backward(x_saved, w_saved, douts, w_dtypes, recipe: Fp8Recipe, dout_amaxes=None):
     """Shared backward of a projection ``y_i = x @ W_i``: ``(dx, (dW_i, ...))``.
 
@@ -178,9 +194,10 @@ def _grad_operands(dy, amax, recipe: Fp8Recipe):
     ``(M, N)``, contracted over axis 0, and XLA writes the copy the GEMM needs."""
     mode = _grad_transpose_mode(recipe)
     if mode is None:
-        dyq = quantize(dy, recipe.grad, amax=amax)
+        dyq = _per_tensor(dy, recipe.grad, recipe, amax)
         return dyq, (QuantizedArray(_matrix(dyq.data), dyq.amax), 0)
     amax = finite_amax(dy) if amax is None else jnp.asarray(amax, jnp.float32)
+    amax = _operand_amax(amax, recipe.grad, recipe)
     dy2 = _matrix(dy)
 
     def local(d, a):
@@ -257,7 +274,8 @@ def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
         outs = tuple(jnp.dot(x, w.astype(x.dtype)).astype(out_dtype) for w in kernels)
         return outs, _backward_operands(x, kernels, recipe)
     if recipe.scaling == "tensor":
-        return _project_quantized(quantize(x, recipe.forward), kernels, out_dtype, recipe)
+        return _project_quantized(_per_tensor(x, recipe.forward, recipe), kernels, out_dtype,
+                                  recipe)  # fmt: skip
     operand = functools.partial(scaled_gemm.quantize_operand, scaling=recipe.scaling)
     x2 = _matrix(x)
     xq = operand(x2, recipe.forward, role="activation")
@@ -271,7 +289,7 @@ def _project_forward(x, kernels, out_dtype, recipe: Fp8Recipe):
 
 def _project_quantized(xq: QuantizedArray, kernels, out_dtype, recipe: Fp8Recipe):
     """:func:`_project_forward` per tensor, from ``x`` already quantized (``xq``)."""
-    wqs = tuple(quantize(w, recipe.forward) for w in kernels)
+    wqs = tuple(_per_tensor(w, recipe.forward, recipe) for w in kernels)
     outs = tuple(fp8_gemm(xq, wq, (-1, 0), out_dtype, recipe) for wq in wqs)
     return outs, (xq, _saved_weights(kernels, wqs, recipe))
 
@@ -305,7 +323,8 @@ def _weight_codes(w_saved, dout, recipe: Fp8Recipe):
     output gradient ``dout``: :func:`_in_backward`)."""
     if recipe.saved_weights == "fp8":
         return w_saved
-    return tuple(quantize(w, recipe.forward, amax=amax) for w, amax in _in_backward(w_saved, dout))
+    return tuple(_per_tensor(w, recipe.forward, recipe, amax)
+                 for w, amax in _in_backward(w_saved, dout))  # fmt: skip
 
 
 def fused_kernels(recipe: Fp8Recipe) -> tuple[str, ...]:
@@ -337,16 +356,17 @@ def _save_and_operand(rows, fn, extras, whole_rows: bool, recipe: Fp8Recipe, mod
     """:func:`pallas_kernels.fused_quantize.save_and_operand` of the matrices ``rows``; under a
     multi-device mesh on every device's shard (``jax.shard_map``): rows split like the batch
     (``data x fsdp``), an element-wise op's columns like the MLP (``tensor``), and the tensor's
-    ``amax`` the ``pmax`` of the shards'."""
+    ``amax`` the ``pmax`` of the shards' (then as :func:`_operand_amax` scales it)."""
     kwargs = dict(saved_fmt=recipe.saved, group=recipe.saved_group, operand_fmt=recipe.forward,
                   whole_rows=whole_rows, interpret=mode == "interpret")  # fmt: skip
+    scaled = lambda m: _operand_amax(m, recipe.forward, recipe)
     mesh = dispatch.multi_device_mesh()
     if mesh is None:
-        return fused_quantize.save_and_operand(rows, fn, extras, **kwargs)
+        return fused_quantize.save_and_operand(rows, fn, extras, amax_of=scaled, **kwargs)
     n_rows, cols = rows[0].shape
     tile, vector = _shard_specs(mesh, n_rows, cols, whole_rows, recipe)
     P = jax.sharding.PartitionSpec
-    amax_of = lambda m: jax.lax.pmax(m, mesh.axis_names)
+    amax_of = lambda m: scaled(jax.lax.pmax(m, mesh.axis_names))
 
     def local(rows, extras):
         saved, yq = fused_quantize.save_and_operand(rows, fn, extras, amax_of=amax_of, **kwargs)
@@ -404,8 +424,8 @@ def _backward_operands(x, kernels, recipe: Fp8Recipe):
     tensor, FP8 ``x`` and FP8 weights; finer scaling, ``x^T`` along the tokens and the
     weights."""
     if recipe.scaling == "tensor":
-        wqs = tuple(quantize(w, recipe.forward) for w in kernels)
-        return quantize(x, recipe.forward), _saved_weights(kernels, wqs, recipe)
+        wqs = tuple(_per_tensor(w, recipe.forward, recipe) for w in kernels)
+        return _per_tensor(x, recipe.forward, recipe), _saved_weights(kernels, wqs, recipe)
     return _wgrad_operand(x, recipe), tuple(kernels)
 
 
@@ -421,7 +441,7 @@ def _backward_x(y, y_amax, recipe: Fp8Recipe):
     tensor ``y`` quantized with the forward's ``amax`` (measured afresh after a BF16 forward),
     else its weight-gradient operand."""
     if recipe.scaling == "tensor":
-        return quantize(y, recipe.forward, amax=y_amax)
+        return _per_tensor(y, recipe.forward, recipe, y_amax)
     return _wgrad_operand(y, recipe)
 
 
@@ -533,7 +553,7 @@ def _norm_operand(eps, kind, recipe, x, norm_scale):
         (xg,), yq = _fused_saved_operand((x,), fn, extras, True, recipe, mode)
         return xg, yq
     xg, y = _norm_of_saved(eps, kind, recipe, x, norm_scale)
-    return xg, quantize(y, recipe.forward)
+    return xg, _per_tensor(y, recipe.forward, recipe)
 
 
 def _fp8_norm_project_bwd(eps, kind, w_dtypes, recipe, residuals, douts, dout_amaxes=None):
@@ -782,11 +802,11 @@ def _fp8_mlp_fwd(eps, kind, w_dtypes, recipe, x, norm_scale, kernels):
     dtype, mode = x.dtype, _fused_mlp_mode(recipe)
     w_gate, w_up, w_down = kernels
     xg, yq = _norm_operand(eps, kind, recipe, x, norm_scale)
-    wqs = (quantize(w_gate, recipe.forward), quantize(w_up, recipe.forward))
+    wqs = tuple(_per_tensor(w, recipe.forward, recipe) for w in (w_gate, w_up))
     gq, uq = (_gemm_groups(yq, wq, recipe, mode) for wq in wqs)
     h = swiglu_fp32(dequantize(gq, dtype), dequantize(uq, dtype)).astype(dtype)
     (h,), (h_amax,) = _materialized((h,))
-    hq = quantize(h, recipe.forward, amax=h_amax)
+    hq = _per_tensor(h, recipe.forward, recipe, h_amax)
     (out,), (_, w_down_saved) = _project_quantized(hq, (w_down,), dtype, recipe)
     norm_residuals = (xg, norm_scale, yq.amax, _saved_weights((w_gate, w_up), wqs, recipe))
     return out, (norm_residuals, (gq, uq, hq.amax, w_down_saved))
