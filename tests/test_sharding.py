@@ -342,7 +342,7 @@ def test_bf16_weight_gradients_are_reduced_in_bf16(tmp_path):
 
 FUSED_QUANTIZE_SCRIPT = textwrap.dedent(
     """
-    import os
+    import itertools, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from coat_jax.core.recipe import Fp8Recipe
@@ -373,11 +373,12 @@ FUSED_QUANTIZE_SCRIPT = textwrap.dedent(
                     for a, s in zip((x, scale, u, w1, w2), specs)]
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
 
-    for op, local in (("norm", (32, 128)), ("swiglu", (32, 64))):
+    for (op, local), pow2 in itertools.product((("norm", (32, 128)), ("swiglu", (32, 64))),
+                                               (False, True)):  # fmt: skip
         calls.clear()
-        got = sharded(op, Fp8Recipe(fused_quantize="interpret"))
+        got = sharded(op, Fp8Recipe(fused_quantize="interpret", pow2_scales=pow2))
         assert calls == [local], (op, calls)  # each device's rows (and MLP columns) only
-        want = sharded(op, Fp8Recipe(fused_quantize="reference"))
+        want = sharded(op, Fp8Recipe(fused_quantize="reference", pow2_scales=pow2))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     print("OK")
@@ -388,8 +389,8 @@ FUSED_QUANTIZE_SCRIPT = textwrap.dedent(
 def test_fused_quantize_runs_on_each_shard_with_the_tensors_amax():
     """``fp8.fused_quantize`` under a 2x2x2 mesh of 8 virtual devices: the kernels (interpreted)
     run on each device's rows (the SwiGLU's on its MLP columns too) with the ``pmax`` of the
-    shards' maxima as the operand's scale; outputs and gradients equal the XLA ops' on the
-    same mesh bit for bit."""
+    shards' maxima as the operand's scale (rounded to a power of two after the ``pmax`` with
+    ``pow2_scales``); outputs and gradients equal the XLA ops' on the same mesh bit for bit."""
     out = subprocess.run([sys.executable, "-c", FUSED_QUANTIZE_SCRIPT], capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
@@ -424,13 +425,16 @@ GRAD_TRANSPOSE_SCRIPT = textwrap.dedent(
                     for a, s in zip((x, w1, w2), specs)]
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
-    got = grads(Fp8Recipe(grad_transpose="interpret"))
-    assert calls == [(32, 64)] * 2, calls  # each device's 32 tokens, its tensor half of N
-    want = grads(Fp8Recipe(grad_transpose="reference"))
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
-    for g, w in zip(got[1:], want[1:]):  # the same products summed in another order (K = 128)
-        rel = float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
-        assert rel <= 2 * 128**1.5 * 2.0**-24, rel
+    for pow2 in (False, True):
+        calls.clear()
+        got = grads(Fp8Recipe(grad_transpose="interpret", pow2_scales=pow2))
+        assert calls == [(32, 64)] * 2, calls  # each device's 32 tokens, its tensor half of N
+        want = grads(Fp8Recipe(grad_transpose="reference", pow2_scales=pow2))
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32),
+                                      np.asarray(want[0], np.float32))  # fmt: skip
+        for g, w in zip(got[1:], want[1:]):  # the same products summed in another order (K = 128)
+            rel = float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+            assert rel <= 2 * 128**1.5 * 2.0**-24, rel
     print("OK")
     """
 )
@@ -439,8 +443,8 @@ GRAD_TRANSPOSE_SCRIPT = textwrap.dedent(
 def test_output_gradients_are_quantized_in_both_layouts_on_each_shard():
     """``fp8.grad_transpose`` under a 2x2x2 mesh of 8 virtual devices: the quantize-transpose
     kernel (interpreted) runs on each device's tokens and MLP columns with the tensor's
-    ``amax``; the input gradient equals the XLA path's on the same mesh bit for bit, the weight
-    gradients to fp32 summation order."""
+    ``amax`` (and with ``pow2_scales``); the input gradient equals the XLA path's on the same
+    mesh bit for bit, the weight gradients to fp32 summation order."""
     out = subprocess.run([sys.executable, "-c", GRAD_TRANSPOSE_SCRIPT], capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
