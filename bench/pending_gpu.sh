@@ -4,14 +4,15 @@
 #
 # Next session, in this order (30 device minutes; a machine start costs 1-2, plus ~3 of
 # transfers and setup, a refused request 0.25-3; use an absolute PYTHONPATH, /tmp/site:$PWD:
-# snippet tests run from other directories): on either GPU, PART=60 ROUNDS=2 (COAT's norms
-# reading their saved codes, d476be3, against baseline/ = git archive 68f76c4) and PART=61
-# ROUNDS=2 (pow2_scales + BF16 products), then PART=59 (the 7B peak at batch 16 with BF16
-# products); on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300 TFLOP/s: the block-scaled
-# kernel since its tile-loop refactor of 2026-12-05 has run only on an H100, 1,209), PART=56
-# NO_TESTS=1 ROUNDS=2, then PART=51 (issue 24's 7B table; RUNS with bf16|6 for the 1.55x
-# ratio) and PART=52; on either GPU, PART=58 (grad_transpose's 114M loss check) and PART=56
-# NO_ROWS=1 (the quantize-transpose tiles, now on CUPTI device time).
+# snippet tests run from other directories): on an H200, PART=42 NO_TESTS=1 (issue 20's 1,300
+# TFLOP/s: the block-scaled kernel since its tile-loop refactor of 2026-12-05 has run only on
+# an H100, 1,209), PART=56 NO_TESTS=1 ROUNDS=2, then PART=51 (issue 24's 7B table; RUNS with
+# bf16|6 for the 1.55x ratio, and COAT with --config.fp8.pow2_scales=True
+# --config.fp8.gemm_product=bf16) and PART=52; on either GPU, PART=59 (the 7B peak at batch 16
+# with BF16 products), PART=60 ROUNDS=0 PROFILE=1 (the 2-layer step with its HLO only),
+# PART=58 (grad_transpose's 114M loss check) and PART=56 NO_ROWS=1 (the quantize-transpose
+# tiles, now on CUPTI device time).
+# PART=60 and 61 ran on an H100 on 2026-12-07 (late).
 # PART=54, 55, 56 and 57 ran on an H100 on 2026-12-07. Result names
 # carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
 # fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
