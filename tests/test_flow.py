@@ -427,7 +427,6 @@ def test_gpu_norm_forward_does_not_write_an_fp32_copy_of_its_input():
     assert x.size not in fp32_fusion_outputs(hlo)
 
 
-
 FUSED_INTERPRETED = dict(fused_quantize="interpret", fused_mlp="interpret",
                          fused_backward="interpret", grad_transpose="interpret")  # fmt: skip
 
