@@ -318,15 +318,18 @@ case "${PART:-1}" in
   [ "${ROUNDS:-1}" = 0 ] || [ -f baseline/bench/layer.py ] || { echo "PART=60 needs baseline/"; exit 1; }
   layer_rounds "layer_norm_codes_${CARD}_$DAY.jsonl" "coat coat:baseline fp8_linear" \
     "fp8_linear coat:baseline coat"
-  if [ -n "${PROFILE:-}" ]; then  # PROFILE=1: then the 2-layer COAT step at batch 8 by op,
-    # with its HLO: which fusion writes the `bf16[8,2048,688,16]` dequantized copy (0.24 ms a
-    # layer; one of the fused MLP's gate / up, whose group maxima the kernel writes transposed?)
-    echo "== 2-layer Llama-2-7B step, batch 8: COAT, norms reading the saved codes"
-    timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
-      --set precision=coat --set optimizer.name=fp8_adamw --top 400 \
-      --json "$OUT/profile_7b_2layers_b8_coat_norm_codes_${CARD}_$DAY.json" \
-      --hlo "$OUT/hlo_7b_2layers_b8_coat_norm_codes_${CARD}_$DAY.txt.gz" 2>&1 \
-      | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+  if [ -n "${PROFILE:-}" ]; then  # PROFILE=1: then the 2-layer step at batch 8 by op, with its
+    # HLO, for each of PROFILE_POLICIES (default: COAT, then FP8-linear): which fusion writes the
+    # `bf16[8,2048,688,16]` dequantized copy (0.24 ms a layer; one of the fused MLP's gate / up,
+    # whose group maxima the kernel writes transposed?), and where COAT's step differs
+    for precision in ${PROFILE_POLICIES:-coat fp8_linear}; do
+      name="7b_2layers_b8_${precision}_norm_codes_${CARD}_$DAY"
+      echo "== 2-layer Llama-2-7B step, batch 8: $precision (${SECONDS}s)"
+      timeout 150 $PY bench/profile_step.py --set model.n_layers=2 --set batch_size=8 \
+        --set precision=$precision --set optimizer.name="$(policy_optimizer "$precision")" \
+        --top 400 --json "$OUT/profile_$name.json" --hlo "$OUT/hlo_$name.txt.gz" 2>&1 \
+        | grep -v -i warn | sed -n '/^step/p;/^| [A-Za-z]/p' | head -12
+    done
   fi
   ;;
 59)
