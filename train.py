@@ -248,7 +248,7 @@ def restore(run, ckpt, latest, writer):
         try:
             params, opt_state = run.create()
         except (ValueError, FileNotFoundError) as e:  # init_from's weights do not restore
-            sys.exit(f"train.py: config.init_from: {e}")
+            refuse(ckpt, f"train.py: config.init_from: {e}")  # its empty checkpoints/ too
         log(f"Initialized in {time.perf_counter() - started:.0f} s")
         if is_main() and os.path.exists(writer.path):  # resume=True with nothing to resume
             log(f"Earlier metrics kept as {keep_aside(writer.path)}")

@@ -103,12 +103,62 @@ def test_prompt_response_examples_mask_only_the_response(tmp_path):
 @pytest.mark.parametrize(
     ("line", "match"),
     [('{"prompt": "a"}', "pairs.jsonl:1: no text field 'response'"),
-     ('{"prompt": "0123456789", "response": "b"}', "pairs.jsonl:1: the prompt alone")],
+     ('{"prompt": "0123456789", "response": "b"}', "pairs.jsonl:1: the prompt alone"),
+     ('{"prompt": "a", "response": ""}', "pairs.jsonl:1: 'response' is empty and the "
+                                         "tokenizer has no eos"),
+     ('{"prompt": "caf\xe9", "response": "b"}'.encode("latin-1"),
+      r"pairs.jsonl:1: not UTF-8 \(invalid continuation byte at byte 16 of the line\)")],
 )  # fmt: skip
 def test_bad_prompt_response_records(tmp_path, line, match):
-    (tmp_path / "pairs.jsonl").write_text(line + "\n")
+    line = line if isinstance(line, bytes) else line.encode()
+    (tmp_path / "pairs.jsonl").write_bytes(line + b"\n")
     with pytest.raises(ValueError, match=match):
         data.load_examples(str(tmp_path / "pairs.jsonl"), data.ByteTokenizer(), seq_len=4)
+
+
+def test_a_line_not_utf8_is_named_by_its_line(tmp_path):
+    """Decoding the whole file named a position inside a read chunk; each line is decoded on
+    its own, so the error names the file's line (here the 300th, past the first read)."""
+    good = json.dumps({"text": "x" * 100}).encode() + b"\n"
+    (tmp_path / "t.jsonl").write_bytes(good * 299 + b'{"text": "\xff"}\n' + good)
+    with pytest.raises(ValueError, match=r"t.jsonl:300: not UTF-8 \(invalid start byte at byte 11"):
+        data.load_tokens(str(tmp_path / "t.jsonl"))
+    (tmp_path / "p.jsonl").write_bytes(good.replace(b"text", b"prompt")[:-2] + b', "response": '
+                                       b'"\xc3"}\n')  # fmt: skip
+    with pytest.raises(ValueError, match=r"p.jsonl:1: not UTF-8"):
+        data.load_examples(str(tmp_path / "p.jsonl"), data.ByteTokenizer(), seq_len=200)
+
+
+def test_an_empty_response_trains_the_eos_where_there_is_one(tmp_path):
+    tokenizer = data.ByteTokenizer()
+    tokenizer.eos_id = 0  # an instance attribute: the class keeps None
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "ab", "response": ""}\n')
+    tokens, mask = data.load_examples(str(tmp_path / "pairs.jsonl"), tokenizer, seq_len=4)
+    assert tokens[0].tolist() == [97, 98, 0, 0, 0] and mask[0].tolist() == [0, 0, 1, 0, 0]
+
+
+def test_hf_tokenizer_eos_from_the_model_folder(tmp_path):
+    """Without a tokenizer_config.json naming it, the eos comes from the folder's
+    generation_config.json, else config.json (the first id of a list); ids the tokenizer
+    does not have, or other JSON, give none."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(8)}, unk_token="w0")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    eos = lambda: data.load_tokenizer(str(tmp_path)).eos_id
+    assert eos() is None
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert eos() == 3
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert eos() == 5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 8}))  # no id
+    assert eos() == 3
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert eos() is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+    assert eos() == 2  # the tokenizer's own word first
 
 
 def test_stdlib_all_is_the_whole_tree_and_contains_stdlib():

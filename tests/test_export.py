@@ -108,3 +108,79 @@ def test_a_failed_write_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         hf_llama.save_pretrained(params(1), CONFIG, str(tmp_path / "new"))
     assert listing(tmp_path) == ["out"]
+
+
+# --------------------------------------------------------------------------------------------
+# A run fine-tuned from another run: what the export takes from the Hugging Face folder the
+# chain began with.
+
+
+def make_run(path, init_from="", tokenizer="bytes", seed=0):
+    """A train.py workdir with one checkpoint of ``params(seed)`` and its config.json."""
+    from coat_jax.training import configs
+    from coat_jax.training.checkpoint import Checkpointer
+
+    c = configs.base_config()
+    c.model.update(vocab_size=CONFIG.vocab_size, dim=CONFIG.dim, n_layers=CONFIG.n_layers,
+                   n_heads=CONFIG.n_heads, n_kv_heads=CONFIG.n_heads,
+                   ffn_dim=CONFIG.ffn_dim)  # fmt: skip
+    c.precision, c.init_from, c.data.tokenizer = "bf16", str(init_from), str(tokenizer)
+    ckpt = Checkpointer(str(path / "checkpoints"))
+    ckpt.save(1, params(seed), {"unused": jnp.zeros(1)}, {"step": 1})
+    ckpt.wait()
+    ckpt.close()
+    (path / "config.json").write_text(c.to_json())
+    return path
+
+
+def test_export_of_a_chain_of_runs_keeps_the_hf_base(tmp_path):
+    """run2 started from run1, which started from the Hugging Face folder ``base`` and read its
+    tokenizer as a folder: the export keeps base's config.json keys and generation_config.json
+    and copies the tokenizer; writing over base is refused even with --overwrite."""
+    import json
+
+    from coat_jax.training import data
+
+    base = tmp_path / "base"
+    hf_llama.save_pretrained(params(), CONFIG, str(base),
+                             tokenizer_files=data.ByteTokenizer.hf_files(),
+                             base_config={"bos_token_id": 7, "eos_token_id": 9,
+                                          "max_position_embeddings": 96})  # fmt: skip
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 10]}))
+    run1 = make_run(tmp_path / "run1", init_from=base, tokenizer=base)
+    run2 = make_run(tmp_path / "run2", init_from=run1, tokenizer=base, seed=1)
+    assert export_hf.base_folder(str(run2)) == str(base)
+    assert export_hf.base_folder(str(run2 / "checkpoints")) == str(base)
+    logged = []
+    files = export_hf.export(str(run2), str(tmp_path / "out"), log=logged.append)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"]) == (7, 9)
+    assert written["max_position_embeddings"] == 96 and "optimizer" not in written
+    assert {"tokenizer.json", "generation_config.json"} <= set(files)
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [9, 10]}
+    ours = read_weights(tmp_path / "out")  # run2's weights (bf16), not run1's or base's
+    for name, value in read_weights_of(params(1), tmp_path / "expected").items():
+        np.testing.assert_array_equal(ours[name], value.astype(ours[name].dtype))
+    assert not logged
+    with pytest.raises(ValueError, match="the folder the run started from"):
+        export_hf.check_out(str(base), str(run2), str(run1), overwrite=True)
+
+    # The base and the tokenizer gone: exported without them, and said so.
+    os.rename(base, tmp_path / "moved")
+    files = export_hf.export(str(run2), str(tmp_path / "out2"), log=logged.append)
+    assert "tokenizer.json" not in files and "generation_config.json" not in files
+    assert any("is gone: config.json keeps none of its keys" in line for line in logged)
+    assert any("tokenizer" in line and "is gone; no tokenizer written" in line for line in logged)
+
+
+def test_base_folder_ends_at_a_loop_or_a_scratch_run(tmp_path):
+    import json
+
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b", init_from=tmp_path / "a")
+    assert export_hf.base_folder(str(b)) == ""  # a trained from scratch
+    config = json.loads((a / "config.json").read_text())
+    config["init_from"] = str(b)
+    (a / "config.json").write_text(json.dumps(config))
+    assert export_hf.base_folder(str(b)) == ""
+    assert export_hf.base_folder(str(tmp_path / "hf")) == str(tmp_path / "hf")  # not a run

@@ -479,8 +479,9 @@ def save_pretrained(
       dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` for the written tensors.
       base_config: a ``config.json`` (dict) whose other keys are kept (:func:`config_to_hf`).
       tokenizer_from: a folder whose tokenizer files (``TOKENIZER_FILES``) are copied.
-      tokenizer_files: tokenizer files to write instead (name -> JSON object), e.g.
-        :meth:`coat_jax.training.data.ByteTokenizer.hf_files`.
+      tokenizer_files: JSON files to write (name -> object): tokenizer files instead of
+        ``tokenizer_from``'s, e.g. :meth:`coat_jax.training.data.ByteTokenizer.hf_files`, or a
+        ``generation_config.json``.
       max_shard_bytes: above this, tensors go to ``model-0000i-of-0000n.safetensors`` files
         listed in ``model.safetensors.index.json``; one shard is in host memory at a time.
 

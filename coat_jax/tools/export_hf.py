@@ -3,10 +3,12 @@
 
 Reads the run's ``config.json`` and the params of its latest (or ``--step``) checkpoint and
 writes them with :func:`coat_jax.models.hf_llama.save_pretrained`. When the run started from a
-Hugging Face folder (``init_from``) that still exists, its other ``config.json`` keys (token
-ids, context length) are kept. The tokenizer files of the run's ``data.tokenizer`` are copied
-from its folder (for a run that read UTF-8 bytes, a byte-level ``tokenizer.json`` whose
-token ``b`` is byte ``b`` is written: :meth:`coat_jax.training.data.ByteTokenizer.hf_files`).
+Hugging Face folder that still exists (``init_from``, or the one a chain of runs through
+``init_from`` began with), its other ``config.json`` keys (token ids, context length) are
+kept and its ``generation_config.json`` is copied. The tokenizer files of the run's
+``data.tokenizer`` (a ``tokenizer.json`` or a folder holding one) are copied from its folder
+(for a run that read UTF-8 bytes, a byte-level ``tokenizer.json`` whose token ``b`` is byte
+``b`` is written: :meth:`coat_jax.training.data.ByteTokenizer.hf_files`).
 
 Usage::
 
@@ -30,7 +32,7 @@ from flax import nnx
 
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import Llama
-from coat_jax.training import configs, data
+from coat_jax.training import configs, data, finetune
 from coat_jax.training.checkpoint import Checkpointer
 
 
@@ -40,7 +42,8 @@ def _same_folder(a: str, b: str) -> bool:
 
 def check_out(out: str, workdir: str, init_from: str, overwrite: bool) -> None:
     """Refuses an ``out`` that would lose something: the run's own folder (or a folder in
-    it), the Hugging Face folder the run started from, any other ``train.py`` run, a file, or
+    it), the folder the run started from or the Hugging Face folder at the start of that
+    chain of runs (:func:`base_folder`), any other ``train.py`` run, a file, or
     (without ``overwrite``) a folder that already holds files.
 
     Raises:
@@ -49,7 +52,7 @@ def check_out(out: str, workdir: str, init_from: str, overwrite: bool) -> None:
     real_out, real_run = os.path.realpath(out), os.path.realpath(workdir)
     if real_out == real_run or real_out.startswith(real_run + os.sep):
         raise ValueError(f"--out {out}: inside the run's own folder {workdir}; choose another")
-    if init_from and _same_folder(out, init_from):
+    if any(f and _same_folder(out, f) for f in (init_from, base_folder(init_from))):
         raise ValueError(f"--out {out}: the folder the run started from (init_from); writing "
                          "there would replace the base model's weights")  # fmt: skip
     if not os.path.exists(out):
@@ -96,23 +99,54 @@ def export(
         step, params = ckpt.restore_params_newest(abstract, log=log, step=step)
     finally:
         ckpt.close()
-    source = config.get("init_from", "")
-    base, tokenizer_from, tokenizer_files = None, None, None
+    source = base_folder(config.get("init_from", ""))
+    base, tokenizer_from, tokenizer_files = None, None, {}
     from_hf = bool(source) and hf_llama.is_hf_folder(source)
     if from_hf:
         with open(os.path.join(source, "config.json")) as f:
             base = json.load(f)
+        generation = os.path.join(source, "generation_config.json")  # EOS ids, sampling
+        if os.path.isfile(generation):
+            with open(generation) as f:
+                tokenizer_files["generation_config.json"] = json.load(f)
+    elif source:
+        log(f"export_hf: {source}, the Hugging Face folder the run's weights came from, is "
+            "gone: config.json keeps none of its keys (token ids, context length)")  # fmt: skip
     tokenizer = config.data.tokenizer
-    if tokenizer not in ("", "bytes", "auto"):  # the tokenizer.json the run read, if still there
-        tokenizer_from = os.path.dirname(tokenizer) if os.path.isfile(tokenizer) else None
+    if tokenizer not in ("", "bytes", "auto"):  # the tokenizer the run read, if still there
+        if os.path.isdir(tokenizer):  # data.load_tokenizer reads a folder's tokenizer.json
+            tokenizer_from = tokenizer
+        elif os.path.isfile(tokenizer):
+            tokenizer_from = os.path.dirname(tokenizer)
+        else:
+            log(f"export_hf: the run's tokenizer {tokenizer} is gone; no tokenizer written")
     elif from_hf and tokenizer == "auto":  # a run whose config predates resolving "auto"
         tokenizer_from = source
     else:  # the run read UTF-8 bytes: say so in the folder, generation needs it
-        tokenizer_files = data.ByteTokenizer.hf_files()
+        tokenizer_files.update(data.ByteTokenizer.hf_files())
     return hf_llama.save_pretrained(
         params, model_config, out, dtype=dtype, base_config=base, tokenizer_from=tokenizer_from,
-        tokenizer_files=tokenizer_files,
+        tokenizer_files=tokenizer_files or None,
     )  # fmt: skip
+
+
+def base_folder(init_from: str) -> str:
+    """The folder a run's weights came from first: ``init_from``, or where the coat-jax run it
+    names (a workdir with ``checkpoints/``) started, and so on back (``""``: a run started
+    from scratch; a run whose ``config.json`` is unreadable ends the walk)."""
+    seen = set()
+    while init_from:
+        workdir = os.path.realpath(finetune.run_dirs(init_from)[0])
+        if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # not a run: the base
+            break
+        if workdir in seen:  # a loop of runs (hand-edited configs): no base
+            return ""
+        seen.add(workdir)
+        try:
+            init_from = finetune.read_run_config(workdir).get("init_from", "")
+        except (OSError, ValueError):
+            return ""
+    return init_from
 
 
 def main(argv=None) -> int:

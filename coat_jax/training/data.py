@@ -104,7 +104,9 @@ def _byte_level_chars() -> list[str]:
 class HFTokenizer:
     """A local Hugging Face ``tokenizer.json`` (needs the ``tokenizers`` package).
 
-    ``eos_id`` comes from the ``eos_token`` of a ``tokenizer_config.json`` beside it, if any.
+    ``eos_id`` comes from the ``eos_token`` of a ``tokenizer_config.json`` beside it, else
+    from the model folder's ``generation_config.json`` / ``config.json`` ``eos_token_id`` (the
+    first, if a list) beside it, else ``None``.
     """
 
     def __init__(self, path: str):
@@ -121,6 +123,8 @@ class HFTokenizer:
                 eos = json.load(f).get("eos_token")
             eos = eos.get("content") if isinstance(eos, dict) else eos
             self.eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
+        if self.eos_id is None:
+            self.eos_id = _model_eos_id(os.path.dirname(path), self.vocab_size)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -128,6 +132,21 @@ class HFTokenizer:
 
     def decode(self, tokens) -> str:
         return self._tok.decode([int(t) for t in tokens])
+
+
+def _model_eos_id(folder: str, vocab_size: int) -> int | None:
+    """The first ``eos_token_id`` of ``generation_config.json``, else ``config.json``, in
+    ``folder`` (a Hugging Face model folder), if it is an id of the tokenizer."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # absent, not JSON, not an object
+            continue
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < vocab_size:
+            return eos
+    return None
 
 
 def load_tokenizer(path: str | None):
@@ -180,13 +199,12 @@ def load_tokens(source: str, tokenizer=None, text_key: str = "text") -> np.ndarr
         return _load_bin(source)
     elif source.endswith(".jsonl"):
         texts = []
-        with open(source, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    record = _json_record(source, n, line)
-                    if text_key not in record:
-                        raise ValueError(f"{source}:{n}: no field {text_key!r} in this record")
-                    texts.append(record[text_key])
+        for n, line in _jsonl_lines(source):
+            if line.strip():
+                record = _json_record(source, n, line)
+                if text_key not in record:
+                    raise ValueError(f"{source}:{n}: no field {text_key!r} in this record")
+                texts.append(record[text_key])
         tokens = tokenizer.encode("\n".join(texts))
     elif source.endswith((".txt", ".md", ".py")):
         with open(source, encoding="utf-8", errors="replace") as f:
@@ -196,6 +214,19 @@ def load_tokens(source: str, tokenizer=None, text_key: str = "text") -> np.ndarr
     if len(tokens) == 0:
         raise ValueError(f"{source}: no tokens")
     return tokens
+
+
+def _jsonl_lines(path: str):
+    """``(n, line)`` of the ``.jsonl`` ``path``, each line decoded as UTF-8 on its own (a
+    ValueError names the file, line and byte where one is not: decoding the whole file would
+    name only a position inside a read chunk)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start + 1} "
+                                 "of the line)") from None  # fmt: skip
 
 
 def _json_record(path: str, n: int, line: str) -> dict:
@@ -295,36 +326,39 @@ def load_examples(
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: not a ``.jsonl``, a record without the keys, or a response truncated away.
+      ValueError: naming the line: not a ``.jsonl``, a line not UTF-8 or not a JSON object, a
+        record without the keys, an empty response with no eos, a prompt longer than ``seq_len``.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data source not found: {path}")
     if not path.endswith(".jsonl"):
         raise ValueError(f"{path}: prompt/response data must be a .jsonl file")
     rows, masks = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = _json_record(path, n, line)
-            for key in (prompt_key, response_key):
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{path}:{n}: no text field {key!r} in this record")
-            prompt = tokenizer.encode(record[prompt_key])
-            response = tokenizer.encode(record[response_key], add_special_tokens=False)
-            if tokenizer.eos_id is not None:
-                response = np.append(response, np.int32(tokenizer.eos_id))
-            if len(prompt) >= seq_len + 1:
-                raise ValueError(
-                    f"{path}:{n}: the prompt alone has {len(prompt)} tokens, seq_len is {seq_len}"
-                )
-            tokens = np.zeros(seq_len + 1, np.int32)
-            mask = np.zeros(seq_len + 1, bool)
-            both = np.concatenate([prompt, response])[: seq_len + 1]
-            tokens[: len(both)] = both
-            mask[len(prompt) : len(both)] = True
-            rows.append(tokens)
-            masks.append(mask)
+    for n, line in _jsonl_lines(path):
+        if not line.strip():
+            continue
+        record = _json_record(path, n, line)
+        for key in (prompt_key, response_key):
+            if not isinstance(record.get(key), str):
+                raise ValueError(f"{path}:{n}: no text field {key!r} in this record")
+        prompt = tokenizer.encode(record[prompt_key])
+        response = tokenizer.encode(record[response_key], add_special_tokens=False)
+        if tokenizer.eos_id is not None:
+            response = np.append(response, np.int32(tokenizer.eos_id))
+        if len(response) == 0:
+            raise ValueError(f"{path}:{n}: {response_key!r} is empty and the tokenizer has no "
+                             "eos token: this example has nothing to learn")  # fmt: skip
+        if len(prompt) >= seq_len + 1:
+            raise ValueError(
+                f"{path}:{n}: the prompt alone has {len(prompt)} tokens, seq_len is {seq_len}"
+            )
+        tokens = np.zeros(seq_len + 1, np.int32)
+        mask = np.zeros(seq_len + 1, bool)
+        both = np.concatenate([prompt, response])[: seq_len + 1]
+        tokens[: len(both)] = both
+        mask[len(prompt) : len(both)] = True
+        rows.append(tokens)
+        masks.append(mask)
     if not rows:
         raise ValueError(f"{path}: no records")
     return np.stack(rows), np.stack(masks)

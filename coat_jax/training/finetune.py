@@ -25,7 +25,7 @@ from flax import nnx
 
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import LlamaConfig
-from coat_jax.training import parallel
+from coat_jax.training import configs, parallel
 from coat_jax.training.checkpoint import Checkpointer
 
 __all__ = ["initial_params", "read_run_config", "resolve_init_from", "run_dirs"]
@@ -64,25 +64,46 @@ def read_run_config(workdir: str, ckpt: Checkpointer | None = None, step: int | 
     return saved
 
 
-def resolve_init_from(c: ml_collections.ConfigDict) -> list[str]:
+def resolve_init_from(c: ml_collections.ConfigDict, *,
+                      tokenizer_required: bool = True) -> list[str]:  # fmt: skip
     """Fills ``c.model`` and an ``"auto"`` ``c.data.tokenizer`` from ``c.init_from``, in place;
     returns the ``c.model`` keys this changed, as ``"key: before -> after"`` (a value set on
-    the command line is replaced too: the weights decide the model).
+    the command line is replaced too: the weights decide the model). The model keys that
+    change only how the step computes (``loss_chunk``, ``recompute_attention``,
+    ``matmul_precision``) stay this run's.
+
+    A resume (``c.resume``) of a run whose ``config.json`` in ``c.workdir`` names the same
+    ``init_from`` takes the model and tokenizer from that file instead: its checkpoints hold
+    the weights, so the folder it started from need not exist any more.
+
+    Args:
+      tokenizer_required: a Hugging Face folder without a ``tokenizer.json`` under an
+        ``"auto"`` tokenizer is refused (its ids are not UTF-8 bytes); ``False`` leaves
+        ``"bytes"`` for a caller that treats such a folder as ids only.
 
     Raises:
       FileNotFoundError, ValueError: naming the file and key (``init_from`` is neither kind,
-        or its ``config.json`` is unsupported).
+        or its ``config.json`` is unsupported, or it has no tokenizer to use).
     """
     tokenizer, changed = "bytes", []
     if c.init_from:
         path = c.init_from
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"config.init_from={path!r}: no such folder")
+        resumed = _resumed_run(c)
         workdir, checkpoints = run_dirs(path)
-        if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
+        if resumed is not None:
+            model = LlamaConfig(**resumed["model"], precision=c.precision)
+            tokenizer = resumed.get("data", {}).get("tokenizer", "bytes")
+        elif not os.path.isdir(path):
+            raise FileNotFoundError(f"config.init_from={path!r}: no such folder")
+        elif hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
             model = hf_llama.read_config(path, c.precision)
             if os.path.isfile(os.path.join(path, "tokenizer.json")):
                 tokenizer = os.path.join(path, "tokenizer.json")
+            elif tokenizer_required and c.data.tokenizer == "auto":
+                raise ValueError(
+                    f"config.init_from={path!r} has no tokenizer.json: pass "
+                    "--config.data.tokenizer=PATH (or =bytes if the model's ids are UTF-8 bytes)"
+                )
         elif os.path.isdir(checkpoints):
             run = read_run_config(workdir)
             model = LlamaConfig(**run["model"], precision=c.precision)
@@ -92,13 +113,30 @@ def resolve_init_from(c: ml_collections.ConfigDict) -> list[str]:
                 f"config.init_from={path!r}: neither a Hugging Face folder (config.json) nor a "
                 "coat-jax run (checkpoints/)"
             )
-        fields = {k: getattr(model, k) for k in c.model}
+        compute_only = {k.removeprefix("model.") for k in configs.COMPUTE_ONLY_MODEL_KEYS}
+        fields = {k: getattr(model, k) for k in c.model if k not in compute_only}
         fields["n_kv_heads"] = model.kv_heads
         changed = [f"{k}: {c.model[k]!r} -> {v!r}" for k, v in fields.items() if c.model[k] != v]
         c.model.update(fields)
     if c.data.tokenizer == "auto":
         c.data.tokenizer = tokenizer
     return changed
+
+
+def _resumed_run(c: ml_collections.ConfigDict) -> dict | None:
+    """The config a resume continues (``c.workdir``'s ``config.json``, written when the run
+    started) when it started from this same ``c.init_from``; else ``None``."""
+    path = os.path.join(c.get("workdir", ""), "config.json")
+    if not c.get("resume") or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):  # unreadable: the resume's own checks say what is wrong
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        return None
+    return saved if saved.get("init_from") == c.init_from else None
 
 
 def _warn(message: str) -> None:
@@ -118,6 +156,8 @@ def initial_params(c: ml_collections.ConfigDict, params_like: nnx.State, shardin
       ValueError: none of its checkpoints restores (one line).
     """
     path = c.init_from
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r}: no such folder (the weights to start from)")
     workdir, checkpoints = run_dirs(path)
     if hf_llama.is_hf_folder(path) and not os.path.isdir(checkpoints):
         dtype = next(iter(nnx.to_flat_state(params_like)))[1].get_value().dtype

@@ -347,7 +347,7 @@ def read_source(path: str, max_len: int | None = None) -> Source:
     c = configs.base_config()
     c.init_from, c.precision = path, "bf16"
     try:
-        finetune.resolve_init_from(c)
+        finetune.resolve_init_from(c, tokenizer_required=False)  # ids only: see below
     except (FileNotFoundError, ValueError) as e:
         message = str(e).replace(f"config.init_from={path!r}: ", f"{path}: ")
         raise type(e)(message) from None
