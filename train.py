@@ -120,6 +120,10 @@ def main(argv, allocator_set: dict) -> None:
     os.makedirs(config.workdir, exist_ok=True)
     if from_weights:
         log(f"config.model from config.init_from={config.init_from}: {'; '.join(from_weights)}")
+    context = finetune.trained_context(config)
+    if context is not None and config.seq_len > context:
+        log(f"Warning: config.seq_len={config.seq_len} is longer than init_from's "
+            f"max_position_embeddings={context}: positions past it were never trained")  # fmt: skip
     log(f"{run.model.family} {run.model.num_params() / 1e6:.2f}M params, "
         f"precision={config.precision}, optimizer={config.optimizer.name}, "
         f"{jax.device_count()} devices ({jax.devices()[0].device_kind}; "

@@ -91,3 +91,18 @@ def test_a_resume_reads_its_own_config_not_init_from(tmp_path):
             finetune.resolve_init_from(fresh)
     with pytest.raises(FileNotFoundError, match=r"hf'?: no such folder \(the weights to start"):
         finetune.initial_params(c, None)  # a resume with no checkpoint yet starts from them
+
+
+def test_trained_context_of_a_hugging_face_folder(tmp_path):
+    """train.py warns when seq_len is past it: max_position_embeddings of an HF folder's
+    config.json, None for a run, a folder without it, no init_from, or a bad value."""
+    hf = hf_folder(tmp_path / "hf")
+    assert finetune.trained_context(config(hf)) is None  # not in HF_CONFIG
+    (hf / "config.json").write_text(json.dumps(HF_CONFIG | {"max_position_embeddings": 256}))
+    assert finetune.trained_context(config(hf)) == 256
+    (hf / "config.json").write_text(json.dumps(HF_CONFIG | {"max_position_embeddings": "x"}))
+    assert finetune.trained_context(config(hf)) is None
+    (hf / "checkpoints").mkdir()  # a coat-jax run: its own seq_len, no HF context
+    assert finetune.trained_context(config(hf)) is None
+    assert finetune.trained_context(config("")) is None
+    assert finetune.trained_context(config(tmp_path / "gone")) is None

@@ -28,7 +28,7 @@ from coat_jax.models.llama import LlamaConfig
 from coat_jax.training import configs, parallel
 from coat_jax.training.checkpoint import Checkpointer
 
-__all__ = ["initial_params", "read_run_config", "resolve_init_from", "run_dirs"]
+__all__ = ["initial_params", "read_run_config", "resolve_init_from", "run_dirs", "trained_context"]
 
 
 def run_dirs(path: str) -> tuple[str, str]:
@@ -137,6 +137,19 @@ def _resumed_run(c: ml_collections.ConfigDict) -> dict | None:
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         return None
     return saved if saved.get("init_from") == c.init_from else None
+
+
+def trained_context(c: ml_collections.ConfigDict) -> int | None:
+    """The ``max_position_embeddings`` of ``c.init_from``'s ``config.json`` when it is a
+    Hugging Face folder that gives one (positions past it were never trained), else ``None``."""
+    if not c.init_from or os.path.isdir(run_dirs(c.init_from)[1]):
+        return None
+    try:
+        with open(os.path.join(c.init_from, "config.json")) as f:
+            context = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):  # gone, not JSON, not an object
+        return None
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def _warn(message: str) -> None:
