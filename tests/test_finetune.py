@@ -26,13 +26,7 @@ def hf_folder(path, tokenizer=True):
 def config(init_from, **overrides):
     c = configs.base_config()
     c.init_from = str(init_from)
-    for key, value in overrides.items():
-        node = c
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[last] = value
-    return c
+    return configs.apply_overrides(c, overrides)
 
 
 def test_the_weights_decide_the_model_and_the_run_its_compute(tmp_path):
