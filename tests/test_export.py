@@ -13,6 +13,7 @@ from flax import nnx
 from coat_jax.models import hf_llama
 from coat_jax.models.llama import Llama, LlamaConfig
 from coat_jax.tools import export_hf
+from coat_jax.training import finetune
 
 pytest.importorskip("safetensors")
 
@@ -149,8 +150,8 @@ def test_export_of_a_chain_of_runs_keeps_the_hf_base(tmp_path):
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 10]}))
     run1 = make_run(tmp_path / "run1", init_from=base, tokenizer=base)
     run2 = make_run(tmp_path / "run2", init_from=run1, tokenizer=base, seed=1)
-    assert export_hf.base_folder(str(run2)) == str(base)
-    assert export_hf.base_folder(str(run2 / "checkpoints")) == str(base)
+    assert finetune.base_folder(str(run2)) == str(base)
+    assert finetune.base_folder(str(run2 / "checkpoints")) == str(base)
     logged = []
     files = export_hf.export(str(run2), str(tmp_path / "out"), log=logged.append)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -178,9 +179,9 @@ def test_base_folder_ends_at_a_loop_or_a_scratch_run(tmp_path):
     import json
 
     a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b", init_from=tmp_path / "a")
-    assert export_hf.base_folder(str(b)) == ""  # a trained from scratch
+    assert finetune.base_folder(str(b)) == ""  # a trained from scratch
     config = json.loads((a / "config.json").read_text())
     config["init_from"] = str(b)
     (a / "config.json").write_text(json.dumps(config))
-    assert export_hf.base_folder(str(b)) == ""
-    assert export_hf.base_folder(str(tmp_path / "hf")) == str(tmp_path / "hf")  # not a run
+    assert finetune.base_folder(str(b)) == ""
+    assert finetune.base_folder(str(tmp_path / "hf")) == str(tmp_path / "hf")  # not a run

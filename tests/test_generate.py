@@ -107,6 +107,18 @@ def test_sampling_is_seeded_and_degenerates_to_greedy(hf_source):
     assert draw(3, top_p=1e-6) == want
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """Divided by 1e-38 (or a temperature below fp32's smallest normal) every logit overflowed
+    to inf (or nan) and the draw took the first of them, token 0; after subtracting the
+    row's max first the argmax stays the only finite one."""
+    logits = jnp.array([[0.5, 0.1, 3.0, 2.9, -1.0]] * 64)
+    keys = jax.random.key(0)
+    for t in (1e-6, 1e-20, 1e-38, 1e-45, 1e-300):
+        for kw in ({}, {"top_k": 3}, {"top_p": 0.9}):
+            drawn = gen.sample_logits(logits, keys, gen.Sampling(t, **kw))
+            assert set(np.asarray(drawn)) == {2}, (t, kw)
+
+
 def test_top_k_and_top_p_keep_the_right_candidates():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
     keys = jax.random.key(0)
@@ -143,6 +155,9 @@ def test_lengths_and_settings_are_checked_in_one_line(hf_source):
         gen.generate(model, [[128]], max_new_tokens=4)
     with pytest.raises(ValueError, match="top_p must be in"):
         gen.generate(model, PROMPTS, max_new_tokens=4, top_p=0)
+    for seed, match in ((2**63, "seed must fit 64 bits"), (1.5, "seed must be an int")):
+        with pytest.raises(ValueError, match=match):
+            gen.generate(model, PROMPTS, max_new_tokens=4, seed=seed)
     config = dataclasses.replace(model.config, precision="coat")
     coat = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))  # refused before it runs
     with pytest.raises(ValueError, match="needs a precision='bf16' model"):
@@ -164,7 +179,11 @@ def test_the_cli_refuses_bad_input_in_one_line(hf_folder, tmp_path, capsys):
         "prompt": ((path, "--prompt", long), "prompt 0 has 70 tokens, more than the model's"),
         "folder": ((tmp_path, "--prompt", "w1"), "neither a Hugging Face folder"),
         "missing": ((tmp_path / "nowhere", "--prompt", "w1"), "no such folder"),
+        "seed": ((path, "--prompt", "w1", "--seed", 2**64), "seed must fit 64 bits"),
+        "prompts_file": ((path, "--prompts_file", tmp_path / "latin1.txt"),
+                         "latin1.txt: not UTF-8 (invalid continuation byte at byte 4)"),
     }
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 w1\n".encode("latin-1"))
     big = tmp_path / "big"  # the same model with a tokenizer of 200 ids (embedding: 128)
     shutil.copytree(path, big)
     from tokenizers import Tokenizer, models
@@ -190,13 +209,63 @@ def test_the_cli_prints_each_completion_of_several_prompts(hf_folder, capsys):
 
 
 def test_streaming_holds_back_an_incomplete_character(capsys):
-    printer = cli.Printer(data.ByteTokenizer(), ["x"], (), max_new_tokens=3)
+    printer = cli.Printer(data.ByteTokenizer(), ["x"], (), max_new_tokens=3, prompt_ids=[[120]])
     printer(0, 0xC3)  # the first byte of "é"
     assert capsys.readouterr().out == ""
     printer(0, 0xA9)
     assert capsys.readouterr().out == "é"
     printer(0, ord("!"))
     assert capsys.readouterr().out == "!\n"
+
+
+def test_a_run_stops_at_its_base_folders_eos_ids_and_names_a_bad_config(tmp_path):
+    """Generating from a fine-tuned run ends rows at the generation_config.json EOS ids of
+    the Hugging Face folder its chain of runs began with, as its export does (it took the
+    tokenizer's one eos); a run whose config.json is not JSON is named in one line (it
+    raised a TypeError rebuilding the JSON error)."""
+    base, run, again = tmp_path / "base", tmp_path / "run", tmp_path / "again"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    for folder, init_from in ((run, base), (again, run)):
+        (folder / "checkpoints").mkdir(parents=True)
+        c = configs.base_config()
+        c.init_from, c.data.tokenizer = str(init_from), "bytes"
+        (folder / "config.json").write_text(c.to_json())
+    assert gen.read_source(str(again)).eos_ids == (2, 7, 9)
+    (base / "generation_config.json").unlink()
+    assert gen.read_source(str(run / "checkpoints")).eos_ids == (2,)
+    (run / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"run/config.json: not a readable JSON file \(Expecting"):
+        gen.read_source(str(run))
+
+
+def test_the_first_new_word_keeps_its_space_after_the_prompt(capsys):
+    """A Llama-2-style decoder (Metaspace, then Strip of one leading space) decoding the new
+    tokens alone dropped the space between the prompt and the first new word ("x = hfor");
+    decoded after the prompt's last tokens, the text reads as the whole sequence does."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = ["<unk>", "\u2581x", "\u2581=", "\u2581h", "\u2581for", "\u2581in", "s"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+
+    class Words:  # the HFTokenizer interface the printer uses
+        decode = staticmethod(lambda ids: tok.decode([int(i) for i in ids]))
+
+    prompt = [1, 2, 3]
+    assert Words.decode(prompt) == "x = h" and Words.decode([4]) == "for"  # the trap
+    for texts, ids in ((["x = h"], [prompt]), (["x = h", "x"], [prompt, [1]])):
+        printer = cli.Printer(Words, texts, (), max_new_tokens=2, prompt_ids=ids)
+        for row in range(len(texts)):
+            printer(row, 4)
+            printer(row, 6)
+        out = capsys.readouterr().out
+        if len(texts) == 1:  # streamed after the prompt, which main() prints
+            assert out == " fors\n", out
+        else:
+            assert "--- 0: 'x = h'\nx = h fors\n" in out and "--- 1: 'x'\nx fors\n" in out, out
 
 
 @pytest.mark.parametrize(

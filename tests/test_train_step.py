@@ -225,3 +225,37 @@ def test_the_loop_step_on_flat_arrays_is_the_tree_step():
     assert all(a is b for a, b in zip(jax.tree.leaves((params, opt_state)), leaves, strict=True))
     with pytest.raises(ValueError, match="structure other than the train step's"):
         run.loop_step.flatten(params, None)
+
+
+def test_micro_batches_of_masked_rows_weigh_each_target_as_one_batch():
+    """grad_accum=2 on rows whose masks count 1 and 29 targets: the step's loss and gradient
+    are the mean over all targets, as one micro-batch of the same rows gives (fp32, SGD with
+    lr 1 so that the parameters' change is the gradient; tolerance: fp32 summation order,
+    1e-4 of each leaf's largest element). The plain mean of the two micro-batch losses, used
+    before, weighed the lone target of the first micro-batch 29x the others."""
+    import optax
+
+    from coat_jax.training.step import micro_batch_weights
+
+    _, model_config, graph, params = tiny("fp32")
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, model_config.vocab_size)
+    mask = np.zeros((4, 32), bool)
+    mask[0, 5] = True  # micro-batch 0: rows 0-1, one target
+    mask[2, 3:18] = mask[3, 10:24] = True  # micro-batch 1: 29 targets
+    results = {}
+    for accum in (1, 2):
+        step = make_train_step(graph, optax.sgd(1.0), skip_nonfinite=False)
+        rows = 4 // accum
+        batch = (tokens.reshape(accum, rows, 33), jnp.asarray(mask.reshape(accum, rows, 32)))
+        p, _, metrics = step(jax.tree.map(jnp.copy, params), optax.sgd(1.0).init(params), batch)
+        results[accum] = (float(metrics["loss"]), jax.tree.leaves(p))
+    np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-6)
+    for a, b, p0 in zip(results[2][1], results[1][1], jax.tree.leaves(params), strict=True):
+        scale = float(jnp.abs(b - p0).max())  # cancellation in fp32 sums: relative to the leaf
+        np.testing.assert_allclose(a - p0, b - p0, rtol=1e-4, atol=1e-4 * scale)
+    weights = micro_batch_weights((tokens.reshape(2, 2, 33), jnp.asarray(mask.reshape(2, 2, 32))))
+    np.testing.assert_allclose(weights, [1 / 30, 29 / 30], rtol=1e-6)
+    no_targets = jnp.zeros((2, 2, 32), bool)
+    even = micro_batch_weights((tokens.reshape(2, 2, 33), no_targets))
+    np.testing.assert_array_equal(even, [0.5, 0.5])
+    np.testing.assert_array_equal(micro_batch_weights(tokens.reshape(4, 1, 33)), [0.25] * 4)

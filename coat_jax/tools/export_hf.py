@@ -52,7 +52,7 @@ def check_out(out: str, workdir: str, init_from: str, overwrite: bool) -> None:
     real_out, real_run = os.path.realpath(out), os.path.realpath(workdir)
     if real_out == real_run or real_out.startswith(real_run + os.sep):
         raise ValueError(f"--out {out}: inside the run's own folder {workdir}; choose another")
-    if any(f and _same_folder(out, f) for f in (init_from, base_folder(init_from))):
+    if any(f and _same_folder(out, f) for f in (init_from, finetune.base_folder(init_from))):
         raise ValueError(f"--out {out}: the folder the run started from (init_from); writing "
                          "there would replace the base model's weights")  # fmt: skip
     if not os.path.exists(out):
@@ -99,7 +99,7 @@ def export(
         step, params = ckpt.restore_params_newest(abstract, log=log, step=step)
     finally:
         ckpt.close()
-    source = base_folder(config.get("init_from", ""))
+    source = finetune.base_folder(config.get("init_from", ""))
     base, tokenizer_from, tokenizer_files = None, None, {}
     from_hf = bool(source) and hf_llama.is_hf_folder(source)
     if from_hf:
@@ -129,24 +129,6 @@ def export(
         tokenizer_files=tokenizer_files or None,
     )  # fmt: skip
 
-
-def base_folder(init_from: str) -> str:
-    """The folder a run's weights came from first: ``init_from``, or where the coat-jax run it
-    names (a workdir with ``checkpoints/``) started, and so on back (``""``: a run started
-    from scratch; a run whose ``config.json`` is unreadable ends the walk)."""
-    seen = set()
-    while init_from:
-        workdir = os.path.realpath(finetune.run_dirs(init_from)[0])
-        if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # not a run: the base
-            break
-        if workdir in seen:  # a loop of runs (hand-edited configs): no base
-            return ""
-        seen.add(workdir)
-        try:
-            init_from = finetune.read_run_config(workdir).get("init_from", "")
-        except (OSError, ValueError):
-            return ""
-    return init_from
 
 
 def main(argv=None) -> int:

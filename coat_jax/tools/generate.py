@@ -35,6 +35,9 @@ def read_prompts(args) -> list[str]:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise ValueError(f"--prompts_file {args.prompts_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts_file {args.prompts_file}: not UTF-8 ({e.reason} at "
+                             f"byte {e.start + 1})") from None  # fmt: skip
     if not prompts:
         raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts_file FILE")
     return prompts
@@ -43,16 +46,29 @@ def read_prompts(args) -> list[str]:
 class Printer:
     """The terminal side of :func:`coat_jax.training.generate.generate`'s ``on_token``: streams
     the one row's text (held back while a character's bytes are incomplete), or prints each
-    row's whole text when it ends."""
+    row's whole text when it ends.
 
-    def __init__(self, tokenizer, prompts: list[str], eos_ids, max_new_tokens: int):
+    A row's new tokens are decoded after the last :data:`CONTEXT` tokens of its prompt, and
+    that context's text cut off: decoded alone, the first new token is the start of a text,
+    and decoders that strip a leading space there (Llama 2's ``Metaspace`` + ``Strip``) lose
+    the space between the prompt and the first new word."""
+
+    CONTEXT = 8
+
+    def __init__(self, tokenizer, prompts: list[str], eos_ids, max_new_tokens: int,
+                 prompt_ids: list[list[int]]):  # fmt: skip
         self.tokenizer, self.prompts, self.eos = tokenizer, prompts, set(eos_ids)
         self.max_new_tokens = max_new_tokens
+        self.context = [list(ids[-self.CONTEXT :]) for ids in prompt_ids]
+        self.context_text = [tokenizer.decode(ids) for ids in self.context]
         self.rows = [[] for _ in prompts]
         self.shown = 0  # characters of the streamed row already printed
 
     def text(self, row: int) -> str:
-        return self.tokenizer.decode([t for t in self.rows[row] if t not in self.eos])
+        new = [t for t in self.rows[row] if t not in self.eos]
+        full = self.tokenizer.decode(self.context[row] + new)
+        before = self.context_text[row]
+        return full[len(before) :] if full.startswith(before) else self.tokenizer.decode(new)
 
     def __call__(self, row: int, token: int) -> None:
         self.rows[row].append(token)
@@ -89,6 +105,7 @@ def main(argv=None) -> int:
     try:  # every check before any weight is read or anything compiles
         texts = read_prompts(args)
         gen.Sampling(args.temperature, args.top_k, args.top_p)
+        gen.check_seed(args.seed)
         source = gen.read_source(args.source, args.max_len)
         if source.tokenizer is None:
             raise ValueError(f"{args.source}: no tokenizer.json (text needs the model's tokenizer)")
@@ -97,7 +114,7 @@ def main(argv=None) -> int:
         model = source.load(DTYPES[args.dtype])
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"generate: {e}")
-    printer = Printer(source.tokenizer, texts, source.eos_ids, args.max_new_tokens)
+    printer = Printer(source.tokenizer, texts, source.eos_ids, args.max_new_tokens, prompts)
     if len(texts) == 1:
         print(texts[0], end="", flush=True)
     made = gen.generate(

@@ -28,7 +28,14 @@ from coat_jax.models.llama import LlamaConfig
 from coat_jax.training import configs, parallel
 from coat_jax.training.checkpoint import Checkpointer
 
-__all__ = ["initial_params", "read_run_config", "resolve_init_from", "run_dirs", "trained_context"]
+__all__ = [
+    "base_folder",
+    "initial_params",
+    "read_run_config",
+    "resolve_init_from",
+    "run_dirs",
+    "trained_context",
+]
 
 
 def run_dirs(path: str) -> tuple[str, str]:
@@ -57,8 +64,11 @@ def read_run_config(workdir: str, ckpt: Checkpointer | None = None, step: int | 
         if not os.path.isfile(path):
             held = "" if step is None else f", and checkpoint {step} holds no config"
             raise FileNotFoundError(f"{path}: not found (a train.py run's config){held}")
-        with open(path) as f:
-            saved = json.load(f)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(saved, dict) or "model" not in saved:
         raise ValueError(f"{path}: model: missing (not a coat-jax run config)")
     return saved
@@ -137,6 +147,25 @@ def _resumed_run(c: ml_collections.ConfigDict) -> dict | None:
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         return None
     return saved if saved.get("init_from") == c.init_from else None
+
+
+def base_folder(init_from: str) -> str:
+    """The folder a run's weights came from first: ``init_from``, or where the coat-jax run it
+    names (a workdir with ``checkpoints/``) started, and so on back (``""``: a run started
+    from scratch; a run whose ``config.json`` is unreadable ends the walk)."""
+    seen = set()
+    while init_from:
+        workdir = os.path.realpath(run_dirs(init_from)[0])
+        if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # not a run: the base
+            break
+        if workdir in seen:  # a loop of runs (hand-edited configs): no base
+            return ""
+        seen.add(workdir)
+        try:
+            init_from = read_run_config(workdir).get("init_from", "")
+        except (OSError, ValueError):
+            return ""
+    return init_from
 
 
 def trained_context(c: ml_collections.ConfigDict) -> int | None:

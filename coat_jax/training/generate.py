@@ -36,6 +36,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from coat_jax.models import hf_llama
 from coat_jax.models.llama import Llama, LlamaConfig, init_cache
 from coat_jax.ops.sharding import constrain
 from coat_jax.training import configs, data, finetune
@@ -45,6 +46,7 @@ __all__ = [
     "Sampling",
     "Source",
     "check_lengths",
+    "check_seed",
     "eval_sampler",
     "generate",
     "inference_graph",
@@ -87,7 +89,11 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     """
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / sampling.temperature
+    # max first, so a tiny temperature cannot overflow every logit to inf (or, below fp32's
+    # smallest normal, divide by 0): the largest stays 0 and the others go to -inf
+    logits = logits.astype(jnp.float32)
+    divisor = max(sampling.temperature, float(np.finfo(np.float32).tiny))
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / divisor
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -135,6 +141,15 @@ class Generated:
     def tokens_per_s(self) -> float:
         """New tokens per second of generation (prefill and steps; compilation excluded)."""
         return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+
+def check_seed(seed) -> None:
+    """Raises ValueError (one line) unless ``seed`` is an int that ``jax.random.key`` takes
+    (64 bits, signed)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if not -(2**63) <= int(seed) < 2**63:
+        raise ValueError(f"seed must fit 64 bits (signed), got {seed}")
 
 
 def check_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len=None) -> None:
@@ -229,6 +244,7 @@ def generate(
             "policies' scales depend on each call's tokens (see inference_graph)"
         )
     check_lengths(prompts, max_new_tokens, max_len)
+    check_seed(seed)
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
         if bad:
@@ -350,13 +366,19 @@ def read_source(path: str, max_len: int | None = None) -> Source:
         finetune.resolve_init_from(c, tokenizer_required=False)  # ids only: see below
     except (FileNotFoundError, ValueError) as e:
         message = str(e).replace(f"config.init_from={path!r}: ", f"{path}: ")
-        raise type(e)(message) from None
+        kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+        raise kind(message) from None  # (JSONDecodeError & co. take more than a message)
     model = configs.llama_config(c)
     workdir = finetune.run_dirs(path)[0]  # a run's workdir, also when given its checkpoints
     tokenizer = data.load_tokenizer(c.data.tokenizer)
     if os.path.isdir(os.path.join(workdir, "checkpoints")):  # as finetune tells them apart
         kind, eos = "run", ()
         context = finetune.read_run_config(workdir).get("seq_len")
+        base = finetune.base_folder(path)  # the Hugging Face folder its chain of runs began with
+        if base and hf_llama.is_hf_folder(base):  # its EOS ids, as the run's export keeps them
+            generation = _json(os.path.join(base, "generation_config.json"))
+            hf = _json(os.path.join(base, "config.json"))
+            eos = _ids(generation.get("eos_token_id", hf.get("eos_token_id")))
     else:
         kind = "hf"
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):

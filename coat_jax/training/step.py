@@ -2,8 +2,10 @@
 
 One optimizer step consumes ``batch (grad_accum, micro_batch, seq_len + 1)`` tokens, or a pair
 ``(tokens, mask (grad_accum, micro_batch, seq_len))`` whose mask selects the targets the loss
-counts (fine-tuning on responses only; each micro-batch's loss is its masked mean): gradients
-are summed over the micro-batches in fp32 under ``lax.scan`` and averaged. Weight quantization
+counts (fine-tuning on responses only): gradients are summed over the micro-batches in fp32
+under ``lax.scan``, each weighted by its share of the step's targets
+(:func:`micro_batch_weights`), so the step's loss is the mean over all of them, as with one
+micro-batch. Weight quantization
 inside the model is loop-invariant there, so XLA computes the FP8 weights once per step.
 """
 
@@ -34,7 +36,27 @@ __all__ = [
     "global_batch",
     "make_eval_step",
     "make_train_step",
+    "micro_batch_weights",
 ]
+
+
+def micro_batch_weights(batch) -> jax.Array:
+    """``(grad_accum,)`` fp32 weights of the micro-batches' losses (and gradients) in a step's:
+    ``1 / grad_accum`` each for tokens, and for ``(tokens, mask)`` each micro-batch's share of
+    the step's targets, ``n_i / sum_j n_j`` (1 / grad_accum each where there are none).
+
+    A micro-batch's loss is the mean over its own targets, so with masks of different sizes
+    (responses of different lengths) the plain average of the micro-batch losses weighs a
+    target by ``1 / (grad_accum n_i)``; weighted by ``n_i / sum_j n_j``, the step's loss and
+    gradient are the mean over all of its targets, as with one micro-batch of the same rows."""
+    if not isinstance(batch, tuple):
+        micro_batches = batch.shape[0]
+        return jnp.full((micro_batches,), 1.0 / micro_batches, jnp.float32)
+    mask = batch[1]
+    counts = mask.reshape(mask.shape[0], -1).astype(jnp.float32).sum(axis=1)
+    total = counts.sum()
+    even = jnp.full_like(counts, 1.0 / counts.shape[0])
+    return jnp.where(total > 0, counts / jnp.maximum(total, 1.0), even)
 
 
 def _batch_loss(graph, params, batch):
@@ -151,19 +173,20 @@ def make_train_step(
     def step(params, opt_state, batch):
         wrt = jax.tree.map(_bf16_view, params) if low else params
 
-        def accumulate(grads, tokens):
+        def accumulate(grads, tokens_and_weight):
+            tokens, weight = tokens_and_weight
             loss, g = jax.value_and_grad(micro_loss)(wrt, tokens)
-            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), loss
+            return jax.tree.map(lambda a, b: a + weight * b.astype(a.dtype), grads, g), loss
 
         micro_batches = jax.tree.leaves(batch)[0].shape[0]
+        weights = micro_batch_weights(batch)
         if low and micro_batches == 1:  # no fp32 accumulator: the gradients stay bf16
             loss, grads = jax.value_and_grad(micro_loss)(wrt, jax.tree.map(lambda x: x[0], batch))
             losses = loss[None]
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            grads, losses = jax.lax.scan(accumulate, zeros, batch)
-            grads = jax.tree.map(lambda g: g / losses.shape[0], grads)
-        loss, grad_norm = losses.mean(), global_norm_fp32(grads)
+            grads, losses = jax.lax.scan(accumulate, zeros, (batch, weights))
+        loss, grad_norm = (weights * losses).sum(), global_norm_fp32(grads)
         update = lambda state: apply(state, grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip_nonfinite:
