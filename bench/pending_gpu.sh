@@ -12,7 +12,9 @@
 # with BF16 products), PART=60 ROUNDS=0 PROFILE=1 (the 2-layer step with its HLO only),
 # PART=58 (grad_transpose's 114M loss check) and PART=56 NO_ROWS=1 (the quantize-transpose
 # tiles, now on CUPTI device time).
-# PART=60 and 61 ran on an H100 on 2026-12-07 (late).
+# PART=60 and 61 ran on an H100 on 2026-12-07 (late); 2026-12-08 (thirty-seventh session): no
+# GPU came (every H200 and H100 request refused), so the order above stands; PART=60
+# PROFILE=1 now profiles FP8-linear's 2-layer step beside COAT's.
 # PART=54, 55, 56 and 57 ran on an H100 on 2026-12-07. Result names
 # carry the card that ran them ($CARD, bench/gpu_env.sh). When nvidia-h200-x2 is lent: the
 # fused kernels and the Pallas GEMM on each shard (never run on GPUs yet), `bench/e2e.py
