@@ -130,7 +130,6 @@ def export(
     )  # fmt: skip
 
 
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "),

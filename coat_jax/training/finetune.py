@@ -136,17 +136,14 @@ def resolve_init_from(c: ml_collections.ConfigDict, *,
 def _resumed_run(c: ml_collections.ConfigDict) -> dict | None:
     """The config a resume continues (``c.workdir``'s ``config.json``, written when the run
     started) when it started from this same ``c.init_from``; else ``None``."""
-    path = os.path.join(c.get("workdir", ""), "config.json")
-    if not c.get("resume") or not os.path.isfile(path):
+    if not c.get("resume"):
         return None
     try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):  # unreadable: the resume's own checks say what is wrong
+        saved = read_run_config(c.get("workdir", ""))
+    except (OSError, ValueError):  # none, or unreadable: the resume's own checks say what
         return None
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        return None
-    return saved if saved.get("init_from") == c.init_from else None
+    same = saved.get("init_from") == c.init_from and isinstance(saved["model"], dict)
+    return saved if same else None
 
 
 def base_folder(init_from: str) -> str:

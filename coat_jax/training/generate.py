@@ -338,6 +338,13 @@ def _json(path: str) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def _folder_eos_ids(folder: str, hf: dict) -> tuple[int, ...]:
+    """A Hugging Face folder's EOS ids: its ``generation_config.json`` ``eos_token_id``, else
+    that of its ``config.json`` (``hf``, read by the caller)."""
+    generation = _json(os.path.join(folder, "generation_config.json"))
+    return _ids(generation.get("eos_token_id", hf.get("eos_token_id")))
+
+
 def _ids(value) -> tuple[int, ...]:
     """An ``eos_token_id`` entry (an int, a list of ints or None) as a tuple."""
     if value is None:
@@ -376,17 +383,14 @@ def read_source(path: str, max_len: int | None = None) -> Source:
         context = finetune.read_run_config(workdir).get("seq_len")
         base = finetune.base_folder(path)  # the Hugging Face folder its chain of runs began with
         if base and hf_llama.is_hf_folder(base):  # its EOS ids, as the run's export keeps them
-            generation = _json(os.path.join(base, "generation_config.json"))
-            hf = _json(os.path.join(base, "config.json"))
-            eos = _ids(generation.get("eos_token_id", hf.get("eos_token_id")))
+            eos = _folder_eos_ids(base, _json(os.path.join(base, "config.json")))
     else:
         kind = "hf"
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             tokenizer = None  # not the bytes fallback of fine-tuning: ids only
         hf = _json(os.path.join(path, "config.json"))
         context = hf.get("max_position_embeddings", 2048)
-        generation = _json(os.path.join(path, "generation_config.json"))
-        eos = _ids(generation.get("eos_token_id", hf.get("eos_token_id")))
+        eos = _folder_eos_ids(path, hf)
     if tokenizer is not None and tokenizer.vocab_size > model.vocab_size:
         raise ValueError(
             f"{path}: the tokenizer ({c.data.tokenizer}) has {tokenizer.vocab_size} ids, the "

@@ -5,8 +5,8 @@ One optimizer step consumes ``batch (grad_accum, micro_batch, seq_len + 1)`` tok
 counts (fine-tuning on responses only): gradients are summed over the micro-batches in fp32
 under ``lax.scan``, each weighted by its share of the step's targets
 (:func:`micro_batch_weights`), so the step's loss is the mean over all of them, as with one
-micro-batch. Weight quantization
-inside the model is loop-invariant there, so XLA computes the FP8 weights once per step.
+micro-batch. Weight quantization inside the model is loop-invariant there, so XLA computes the
+FP8 weights once per step.
 """
 
 from __future__ import annotations
